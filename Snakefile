@@ -1,0 +1,20 @@
+# quantstudy: FP8 quantization studies, from pinned checkpoints to the README section.
+# A table of contents: config, one include per stage of the data flow, one target rule.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+if not config:  # a plain `snakemake` runs the embedded default; profiles name their own config
+    configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/fetch.smk"
+include: "rules/reference.smk"
+include: "rules/engines.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    input:
+        final_targets(),

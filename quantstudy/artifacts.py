@@ -1,0 +1,142 @@
+"""Reading and writing the workflow's JSON artifacts: schema check, provenance, atomic write."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+SCHEMA_DIR = Path(__file__).parent / "schemas"
+SCHEMA_VERSION = 1
+_SOFTWARE = ("torch", "transformers", "nvidia-modelopt", "onnx", "onnxruntime", "tensorrt",
+             "huggingface_hub", "datasets", "numpy", "pandas", "snakemake")
+
+
+def load_schema(kind: str) -> dict:
+    """The JSON schema of one artifact kind, with the shared provenance definition."""
+    schema = json.loads((SCHEMA_DIR / f"{kind}.json").read_text())
+    schema.setdefault("$defs", {})["provenance"] = json.loads((SCHEMA_DIR / "provenance.json").read_text())
+    return schema
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_path(path: str | Path) -> str:
+    """sha256 of a file, or of a folder as the hash of its sorted (relative path, file hash) list."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(path).as_posix()}\0{sha256_file(f)}\n".encode())
+    return h.hexdigest()
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def software_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in _SOFTWARE:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def hardware() -> dict[str, Any]:
+    info: dict[str, Any] = {"machine": platform.machine(), "cpu": platform.processor() or platform.machine(),
+                            "cpus": os.cpu_count(), "host": platform.node()}
+    try:
+        import torch
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+            info["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    return info
+
+
+def workflow_commit() -> str:
+    """The git commit of the workflow, with '-dirty' when the work tree has uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def provenance(rule: str, inputs: dict[str, str | Path] | None = None, params: dict | None = None,
+               started: str | None = None) -> dict[str, Any]:
+    """The provenance block every artifact carries: where its inputs, code and machine came from."""
+    return {
+        "rule": rule,
+        "inputs": {name: {"path": str(p), "sha256": sha256_path(p)} for name, p in (inputs or {}).items()},
+        "params": params or {},
+        "software": software_versions(),
+        "hardware": hardware(),
+        "workflow_commit": workflow_commit(),
+        "started": started or now(),
+        "finished": now(),
+    }
+
+
+def atomic_write(path: str | Path, data: str | bytes) -> None:
+    """Write a file so that readers see either the old file or the whole new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | Path, kind: str, doc: dict[str, Any]) -> None:
+    """Validate `doc` against the schema of `kind` and write it atomically (temp file, then rename)."""
+    doc = {"schema": kind, "schema_version": SCHEMA_VERSION, **doc}
+    jsonschema.validate(doc, load_schema(kind))
+    text = json.dumps(doc, indent=1, sort_keys=False, allow_nan=False, default=_jsonable) + "\n"
+    atomic_write(path, text)
+
+
+def read_json(path: str | Path, kind: str | None = None) -> dict[str, Any]:
+    doc = json.loads(Path(path).read_text())
+    if kind is not None:
+        if doc.get("schema") != kind:
+            raise ValueError(f"{path} holds a {doc.get('schema')!r} artifact, expected {kind!r}")
+        jsonschema.validate(doc, load_schema(kind))
+    return doc
+
+
+def _jsonable(value):
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")

@@ -1,0 +1,92 @@
+"""PyTorch backend: the variant module itself is the engine.
+
+On CPU, FP8 layers are fake-quant (float8_e4m3fn casts). On a GPU with FP8 (sm_89+) they are
+real FP8 GEMMs (torch._scaled_mm, static per-tensor scales), and a target with `compile`
+runs the module through torch.compile and times it by CUDA graph replay.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ENGINE_FILE = "engine.safetensors"
+
+
+def build(model: nn.Module, out_dir: str | Path) -> dict[str, Any]:
+    """Save the variant's weights (FP8 weights stay float8_e4m3fn) as the engine file."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tmp = out_dir / f".{ENGINE_FILE}.tmp"
+    save_file(state, str(tmp))
+    tmp.replace(out_dir / ENGINE_FILE)
+    return {"engine": str(out_dir / ENGINE_FILE), "engine_bytes": (out_dir / ENGINE_FILE).stat().st_size,
+            "weight_dtypes": sorted({str(v.dtype).removeprefix("torch.") for v in state.values()})}
+
+
+def load(skeleton: nn.Module, out_dir: str | Path, device: str = "cpu") -> nn.Module:
+    """Fill a variant skeleton (same structure, any weights) with the engine file's weights."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(out_dir) / ENGINE_FILE), device=device)
+    skeleton.load_state_dict(state, strict=True, assign=True)
+    return skeleton.to(device).eval()
+
+
+def open(out_dir: str | Path, example: torch.Tensor, target: dict[str, Any], skeleton: nn.Module) -> "Runner":
+    """The engine in `out_dir` as a runner at the example's shape (the skeleton gives its structure)."""
+    model = load(skeleton, out_dir, target["device"])
+    return Runner(model, example, target["device"], target.get("compile", False))
+
+
+class Runner:
+    """Runs a variant module at a fixed input shape; on CUDA with compile, by CUDA graph replay."""
+
+    def __init__(self, model: nn.Module, example: torch.Tensor, device: str = "cpu", compile: bool = False):
+        self.device = torch.device(device)
+        self.model = model
+        self.static_input = example.to(self.device)
+        self.graph = None
+        if compile:
+            self.model = torch.compile(model, dynamic=False)
+        if self.device.type == "cuda":
+            self._capture()
+
+    @torch.no_grad()
+    def _capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # warm-up: compile, autotune, allocator
+                self.model(self.static_input)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_output = self.model(self.static_input)
+        torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.graph is not None and input_ids.shape == self.static_input.shape:
+            self.static_input.copy_(input_ids.to(self.device))
+            self.graph.replay()
+            return self.static_output.clone()
+        return self.model(input_ids.to(self.device))
+
+    def replay(self) -> None:
+        """One timed call: graph replay (no data transfer) on CUDA, a plain forward on CPU."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            with torch.no_grad():
+                self.model(self.static_input)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()

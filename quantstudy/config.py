@@ -1,0 +1,282 @@
+"""The run and study configuration: validated once, turned into typed objects.
+
+Every check that can fail on bad input runs here, when the Snakefile is read, so a bad
+config is a sentence on the terminal before any job starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMAS = ROOT / "config" / "schemas"
+ARCHITECTURES = ROOT / "config" / "architectures"
+
+# Bumped whenever the tiny-fixture generators change what they write: it is part of the
+# content hash that serves as the tiny checkpoints' and datasets' pinned revision.
+TINY_GENERATOR_VERSION = 1
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded for the person who wrote the config."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    window: int
+    batch: int
+    quality: bool = True
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    repo: str
+    revision: str
+    architecture_name: str
+    architecture: dict[str, Any]
+    settings: tuple[str, ...]
+    tiny: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    repo: str
+    revision: str
+    files: dict[str, str]
+    tiny: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    precision: str
+    transforms: tuple[tuple[str, dict[str, Any]], ...] = ()
+
+    def transforms_at(self, window: int) -> list[tuple[str, dict[str, Any]]]:
+        """The transforms that apply at this window (a transform may name the windows it is for)."""
+        return [(name, params) for name, params in self.transforms
+                if "windows" not in params or window in params["windows"]]
+
+    def spec(self, window: int) -> dict[str, Any]:
+        """What the build of this variant at this window depends on: a rule's params."""
+        return {"precision": self.precision,
+                "transforms": [{name: params} for name, params in self.transforms_at(window)]}
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    backend: str
+    device: str
+    gpu: str = "cpu"
+    version: str = ""
+    env: str = ""
+    compile: bool = False
+    builder: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    family: str
+    models: dict[str, Model]
+    settings: dict[str, Setting]
+    datasets: dict[str, Dataset]
+    variants: dict[str, Variant]
+    raw: dict[str, Any]
+
+    @property
+    def recipe(self) -> dict[str, Any]:
+        return self.raw["recipe"]
+
+    def setting(self, name: str) -> Setting:
+        return self.settings[name]
+
+    def baseline(self, setting: str) -> str:
+        """The variant this setting's speed-ups are measured against."""
+        base = self.raw["baseline"]
+        return base.get("by_window", {}).get(self.settings[setting].window, base["default"])
+
+    def model_settings(self, quality_only: bool = False):
+        for model in self.models.values():
+            for s in model.settings:
+                if not quality_only or self.settings[s].quality:
+                    yield model.name, s
+
+    def windows(self, model: str) -> list[int]:
+        return sorted({self.settings[s].window for s in self.models[model].settings})
+
+    def setting_for_window(self, model: str, window: int) -> str:
+        """The batch-1 quality setting of a window, whose reference and calibration others share."""
+        for s in self.models[model].settings:
+            if self.settings[s].window == window and self.settings[s].quality:
+                return s
+        raise ConfigError(f"model {model!r} has no quality setting at window {window}")
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    weights: str
+    hf_cache: str
+    offline: bool
+    studies: dict[str, Study]
+    targets: dict[str, Target]
+
+
+def _load_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+
+
+def _validate(doc: Any, schema_file: str, where: str) -> None:
+    schema = _load_yaml(SCHEMAS / schema_file)
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(doc), key=lambda e: list(e.path))
+    if errors:
+        lines = []
+        for e in errors:
+            path = ".".join(str(p) for p in e.absolute_path) or "(top level)"
+            if e.validator == "pattern" and "revision" in path:
+                msg = (f"revision {e.instance!r} is not pinned: give the full 40-hex commit, "
+                       "not a branch, tag or short hash")
+            else:
+                msg = e.message
+            lines.append(f"  {where}: {path}: {msg}")
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines))
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_architecture(name: str) -> dict[str, Any]:
+    path = ARCHITECTURES / f"{name}.json"
+    if not path.exists():
+        known = sorted(p.stem for p in ARCHITECTURES.glob("*.json"))
+        raise ConfigError(f"unknown architecture {name!r}; recorded ones: {', '.join(known)}")
+    return json.loads(path.read_text())
+
+
+def tiny_revision(spec: dict[str, Any]) -> str:
+    """Content hash that pins a generated tiny checkpoint or dataset (40 hex, like a git commit)."""
+    canonical = json.dumps({"generator": TINY_GENERATOR_VERSION, **spec}, sort_keys=True)
+    return hashlib.sha1(canonical.encode()).hexdigest()
+
+
+def tiny_model_spec(model: Model) -> dict[str, Any]:
+    return {"architecture": model.architecture, "tiny": model.tiny}
+
+
+def tiny_dataset_spec(dataset: Dataset) -> dict[str, Any]:
+    return {"files": dataset.files, "tiny": dataset.tiny}
+
+
+def load_study(spec_path: str | Path, overrides_path: str | Path | None = None) -> Study:
+    spec_path = Path(spec_path)
+    doc = _load_yaml(ROOT / spec_path if not spec_path.is_absolute() else spec_path)
+    where = str(spec_path)
+    if overrides_path:
+        overrides_path = Path(overrides_path)
+        doc = deep_merge(doc, _load_yaml(ROOT / overrides_path if not overrides_path.is_absolute()
+                                         else overrides_path))
+        where = f"{spec_path} + {overrides_path}"
+    _validate(doc, "study.schema.yaml", where)
+    return _build_study(doc, where)
+
+
+def _build_study(doc: dict[str, Any], where: str) -> Study:
+    from quantstudy import families, quantization  # deferred: these import torch
+
+    problems: list[str] = []
+    if doc["family"] not in families.names():
+        problems.append(f"unknown family {doc['family']!r}; registered families: {', '.join(families.names())}")
+    settings = {n: Setting(n, s["window"], s["batch"], s.get("quality", True)) for n, s in doc["settings"].items()}
+    models = {}
+    for name, m in doc["models"].items():
+        try:
+            arch = load_architecture(m["architecture"])
+        except ConfigError as e:
+            problems.append(f"model {name!r}: {e}")
+            continue
+        for s in m["settings"]:
+            if s not in settings:
+                problems.append(f"model {name!r} names unknown setting {s!r}; settings: {', '.join(settings)}")
+        models[name] = Model(name, m["checkpoint"]["repo"], m["checkpoint"]["revision"], m["architecture"],
+                             arch, tuple(m["settings"]), m.get("tiny"))
+        if m.get("tiny") and models[name].revision != tiny_revision(tiny_model_spec(models[name])):
+            problems.append(f"model {name!r}: a tiny checkpoint's revision is the content hash of its spec: "
+                            f"set revision to {tiny_revision(tiny_model_spec(models[name]))}")
+    datasets = {n: Dataset(n, d["repo"], d["revision"], d["files"], d.get("tiny")) for n, d in doc["datasets"].items()}
+    for d in datasets.values():
+        if d.tiny and d.revision != tiny_revision(tiny_dataset_spec(d)):
+            problems.append(f"dataset {d.name!r}: a tiny dataset's revision is the content hash of its spec: "
+                            f"set revision to {tiny_revision(tiny_dataset_spec(d))}")
+    for name, s in doc["samples"].items():
+        if s["dataset"] not in datasets:
+            problems.append(f"samples {name!r} name unknown dataset {s['dataset']!r}")
+        elif s["split"] not in datasets[s["dataset"]].files:
+            problems.append(f"samples {name!r}: dataset {s['dataset']!r} has no split {s['split']!r}")
+    if doc["recipe"]["activation_calibration"]["samples"] not in doc["samples"]:
+        problems.append("recipe.activation_calibration.samples names no entry of samples")
+
+    variants = {}
+    for name, v in doc["variants"].items():
+        transforms = tuple((next(iter(t)), dict(next(iter(t.values())) or {})) for t in v.get("transforms", []))
+        for t, _ in transforms:
+            if t not in quantization.TRANSFORMS:
+                problems.append(f"variant {name!r} names unknown transform {t!r}; "
+                                f"known transforms: {', '.join(sorted(quantization.TRANSFORMS))}")
+        variants[name] = Variant(name, v["precision"], transforms)
+    for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),
+                       *[(f"baseline.by_window.{w}", n) for w, n in doc["baseline"].get("by_window", {}).items()]]:
+        if name not in variants:
+            problems.append(f"{role} names unknown variant {name!r}; variants: {', '.join(variants)}")
+
+    if not problems and doc["family"] in families.names():
+        family = families.get(doc["family"])
+        for model in models.values():
+            layers = family.linear_layer_names(model.architecture)
+            patterns = list(doc["recipe"]["quantize"])
+            for v in variants.values():
+                patterns += [p for t, params in v.transforms if t == "fp8" for p in params.get("include", [])]
+            for pattern in patterns:
+                if not fnmatch.filter(layers, pattern):
+                    problems.append(f"recipe pattern {pattern!r} matches no layer of {model.name} "
+                                    f"({model.architecture_name}); its linear layers are like {layers[:3]}")
+    if problems:
+        raise ConfigError(f"invalid study ({where}):\n" + "\n".join(f"  {p}" for p in problems))
+    return Study(doc["study"], doc["family"], models, settings, datasets, variants, doc)
+
+
+def load_run(config: dict[str, Any]) -> Run:
+    """Validate a run config (the dict Snakemake read) and everything it names."""
+    _validate(config, "config.schema.yaml", "workflow config")
+    studies = {}
+    for name, entry in config["studies"].items():
+        study = load_study(entry["spec"], entry.get("overrides"))
+        if study.name != name:
+            raise ConfigError(f"config names study {name!r} but {entry['spec']} is study {study.name!r}")
+        studies[name] = study
+    targets = {n: Target(n, **t) for n, t in config["targets"].items()}
+    r = config["run"]
+    return Run(r["name"], r["weights"], config["hf_cache"], config.get("offline", False), studies, targets)

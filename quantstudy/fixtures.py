@@ -1,0 +1,99 @@
+"""Tiny data for the embedded default and the tests: generated, seeded, put in a local HF cache.
+
+The text is made of pseudo-words so that nothing needs a download; the STS pairs share words
+in proportion to their similarity score, so the rank correlation is a real (if easy) signal.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from typing import Any
+
+import pandas as pd
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+_SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "be", "da", "fu", "go", "hi", "ja", "po", "ze"]
+
+
+def words(count: int, seed: int = 0) -> list[str]:
+    """`count` distinct pseudo-words plus punctuation, the tiny models' whole vocabulary."""
+    rng = random.Random(seed)
+    out: list[str] = [".", ","]
+    seen = set(out)
+    while len(out) < count:
+        w = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+        if w not in seen:
+            seen.add(w)
+            out.append(w)
+    return out
+
+
+def tokenizer_files(vocab_size: int, max_length: int) -> dict[str, bytes]:
+    """A word-level tokenizer over the pseudo-words, framed [CLS] ... [SEP] like FNet's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + words(vocab_size - len(SPECIAL_TOKENS)))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+              "mask_token": "[MASK]"}
+    return {"tokenizer.json": tok.to_str().encode(), "tokenizer_config.json": json.dumps(config).encode(),
+            "special_tokens_map.json": json.dumps({k: v for k, v in config.items() if k.endswith("_token")}).encode()}
+
+
+def _sentence(rng: random.Random, vocab: list[str]) -> list[str]:
+    # Zipf-like word frequencies, as in natural text.
+    n = rng.randint(5, 24)
+    return [vocab[min(int(rng.paretovariate(1.1)) - 1, len(vocab) - 1)] for _ in range(n)] + ["."]
+
+
+def passages(count: int, seed: int, vocab: list[str]) -> list[str]:
+    """Passages of 8 to ~600 words (one to 30 sentences), like WikiText-2's paragraphs."""
+    rng = random.Random(seed)
+    content = vocab[2:]
+    out = []
+    for _ in range(count):
+        text = []
+        for _ in range(rng.choice([1, 2, 3, 5, 8, 12, 20, 30])):
+            text += _sentence(rng, content)
+        out.append(" ".join(text))
+    return out
+
+
+def sentence_pairs(count: int, seed: int, vocab: list[str]) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    content = vocab[2:]
+    rows = []
+    for _ in range(count):
+        first = _sentence(rng, content)
+        score = rng.random()
+        second = [w if rng.random() < score or w == "." else rng.choice(content) for w in first]
+        rows.append({"sentence1": " ".join(first), "sentence2": " ".join(second), "score": round(score, 4)})
+    return rows
+
+
+def dataset_files(files: dict[str, str], tiny: dict[str, Any], vocab_size: int) -> dict[str, bytes]:
+    """One file per split, at the path the split's pattern names (a glob's * becomes 00000-of-00001)."""
+    vocab = words(vocab_size - len(SPECIAL_TOKENS))
+    out = {}
+    for i, (split, pattern) in enumerate(sorted(files.items())):
+        seed = tiny["seed"] * 1000 + i
+        if tiny["kind"] == "passages":
+            frame = pd.DataFrame({"text": passages(tiny.get("rows", 200), seed, vocab)})
+        else:
+            frame = pd.DataFrame(sentence_pairs(tiny.get("rows", 80), seed, vocab))
+        path = pattern.replace("*", "-00000-of-00001")
+        path = path if "." in path.rsplit("/", 1)[-1] else path + ".parquet"
+        buf = io.BytesIO()
+        if path.endswith(".csv"):
+            frame.to_csv(buf, index=False)
+        else:
+            frame.to_parquet(buf, index=False)
+        out[path] = buf.getvalue()
+    return out

@@ -1,0 +1,191 @@
+"""README sections from a study's tables.json and the Jinja templates.
+
+Reads JSON and templates only (no torch, no backend). Every number in the output comes from
+tables.json; ranges in sentences are computed here from all rows of the table they summarize.
+The section sits between marker comments, so it can be spliced into an existing README.
+
+    python -m quantstudy.render results/fnet/tables.json --into path/to/families/fnet/README.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from quantstudy.artifacts import atomic_write, read_json
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+
+
+def begin_marker(study: str) -> str:
+    return f"<!-- quantstudy:begin {study} -->"
+
+
+def end_marker(study: str) -> str:
+    return f"<!-- quantstudy:end {study} -->"
+
+
+# --- number formats ------------------------------------------------------------------------
+
+def ms(v) -> str:
+    return "-" if v is None else f"{v:.3f}" if v < 100 else f"{v:.1f}"
+
+
+def times(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.2f}%"
+
+
+def sci(v) -> str:
+    if v is None:
+        return "-"
+    if v == 0:
+        return "0"
+    return f"{v:.2g}" if 1e-3 <= abs(v) < 1e3 else f"{v:.1e}"
+
+
+def num(v, digits: int = 4) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def count(v) -> str:
+    return "-" if v is None else f"{int(v):,}"
+
+
+def span(r: dict | None, fmt=times, unit: str = "") -> str:
+    """'a to b' (or 'a') from a computed range."""
+    if not r:
+        return "not measured"
+    lo, hi = fmt(r["min"]), fmt(r["max"])
+    return f"{lo}{unit}" if lo == hi else f"{lo}{unit} to {hi}{unit}"
+
+
+def _range(values) -> dict | None:
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return {"min": min(values), "max": max(values), "n": len(values)} if values else None
+
+
+# --- the view: what the templates show, computed from the tables -----------------------------
+
+def view(t: dict[str, Any]) -> dict[str, Any]:
+    spec = t["spec"]
+    cand = spec["candidate"]
+    settings = spec["settings"]
+    by = defaultdict(dict)
+    for row in t["speed"]:
+        by[(row["target"], row["model"], row["setting"])][row["variant"]] = row
+    speed_rows = []
+    for (target, model, setting), variants in by.items():
+        c = variants.get(cand, {})
+        speed_rows.append({"target": target, "gpu": c.get("gpu") or next(iter(variants.values()))["gpu"],
+                           "model": model, "setting": setting, "window": settings[setting]["window"],
+                           "batch": settings[setting]["batch"], "baseline": c.get("baseline"), "variants": variants,
+                           "candidate": c})
+    b1 = [r["candidate"].get("x") for r in speed_rows if r["batch"] == 1]
+    bn = [r["candidate"].get("x") for r in speed_rows if r["batch"] > 1]
+
+    q = defaultdict(dict)
+    for row in t["quality"]:
+        q[(row["target"], row["model"], row["setting"])][row["variant"]] = row
+    baselines = {r["variant"] for r in t["speed"] if r["variant"] in
+                 ({spec["baseline"]["default"]} | set(spec["baseline"].get("by_window", {}).values()))}
+    baseline_top1 = _range(r.get("top1") for r in t["quality"]
+                           if r["variant"] == _baseline_of(spec, settings[r["setting"]]["window"]))
+    cand_q = [r for r in t["quality"] if r["variant"] == cand]
+
+    builds = {(b["target"], b["model"], b["setting"], b["variant"]): b for b in t["builds"]}
+    size_change = []
+    for (target, model, setting, variant), b in builds.items():
+        base = builds.get((target, model, setting, _baseline_of(spec, settings[setting]["window"])))
+        if variant == cand and b.get("engine_bytes") and base and base.get("engine_bytes"):
+            size_change.append({"target": target, "model": model, "setting": setting,
+                                "baseline_bytes": base["engine_bytes"], "candidate_bytes": b["engine_bytes"],
+                                "change": b["engine_bytes"] / base["engine_bytes"] - 1})
+
+    kernels = defaultdict(dict)
+    for k in t["kernels"]:
+        kernels[(k["target"], k["model"], k["setting"])][k["variant"]] = k
+    # Per variant: its speed-up at batch 1 and its KL relative to the candidate's, over all rows.
+    variant_summary = {}
+    for v in spec["variants"]:
+        ratios = [rows[v]["kl_mean"] / rows[cand]["kl_mean"] for rows in q.values()
+                  if rows.get(v, {}).get("kl_mean") is not None and rows.get(cand, {}).get("kl_mean")]
+        variant_summary[v] = {"x_batch1": _range(r["variants"].get(v, {}).get("x") for r in speed_rows if r["batch"] == 1),
+                              "kl_to_candidate": _range(ratios)}
+    failures = [r for table in ("builds", "speed", "quality", "kernels") for r in t[table] if r["status"] != "ok"]
+    return {
+        "t": t, "spec": spec, "candidate": cand, "run": t["run"], "settings": settings,
+        "tiny": t["run"]["weights"] != "checkpoint", "speed_rows": speed_rows, "quality": q,
+        "quality_variants": [v for v in spec["variants"] if v != "fp32"],
+        "x_batch1": _range(b1), "x_batched": _range(bn), "baselines": sorted(baselines),
+        "baseline_top1": baseline_top1, "candidate_top1": _range(r.get("top1") for r in cand_q),
+        "baseline_kl": _range(r.get("kl_mean") for r in t["quality"]
+                              if r["variant"] == _baseline_of(spec, settings[r["setting"]]["window"])),
+        "candidate_kl": _range(r.get("kl_mean") for r in cand_q),
+        "candidate_nonfinite": sum(r.get("nonfinite") or 0 for r in cand_q),
+        "size_change": size_change, "size_range": _range(s["change"] for s in size_change),
+        "kernels": kernels, "failures": failures, "gpus": sorted({r["gpu"] for r in t["speed"]}),
+        "decision": t["decision"], "variant_summary": variant_summary,
+    }
+
+
+def _baseline_of(spec: dict[str, Any], window: int) -> str:
+    return spec["baseline"].get("by_window", {}).get(window, spec["baseline"]["default"])
+
+
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    formats = dict(ms=ms, times=times, pct=pct, sci=sci, num=num, count=count)
+    env.filters.update(span=span, **formats)
+    env.globals.update(baseline_of=_baseline_of, **formats)  # so macros can take a format as an argument
+    return env
+
+
+def render_section(tables: dict[str, Any]) -> str:
+    """The study's README section, markers included."""
+    env = environment()
+    body = env.get_template(f"{tables['family']}.md.j2").render(**view(tables))
+    body = re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
+    return f"{begin_marker(tables['study'])}\n{body}{end_marker(tables['study'])}\n"
+
+
+def splice(existing: str, section: str, study: str) -> str:
+    """Replace the study's marked section of an existing README (or append it), leaving the rest as is."""
+    begin, end = begin_marker(study), end_marker(study)
+    if begin in existing and end in existing:
+        head, rest = existing.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        return head + section.rstrip("\n") + tail
+    return existing.rstrip("\n") + "\n\n" + section
+
+
+def render_file(tables_json: str | Path, out: str | Path, into: str | Path | None = None) -> None:
+    tables = read_json(tables_json, "tables")
+    section = render_section(tables)
+    atomic_write(out, section)
+    if into:
+        into = Path(into)
+        atomic_write(into, splice(into.read_text() if into.exists() else "", section, tables["study"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Render a study's README section from its tables.json.")
+    parser.add_argument("tables", help="results/<study>/tables.json")
+    parser.add_argument("--out", help="where to write the section (default: beside tables.json)")
+    parser.add_argument("--into", help="an existing README to splice the section into, between markers")
+    args = parser.parse_args()
+    render_file(args.tables, args.out or Path(args.tables).with_name("README.md"), args.into)
+
+
+if __name__ == "__main__":
+    main()

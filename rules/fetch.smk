@@ -1,0 +1,55 @@
+# Pinned inputs: tiny fixtures (embedded default), checkpoints and sample lists.
+
+
+rule local_hub:
+    output:
+        "results/{study}/local_hub.json",
+    params:
+        study_spec=lambda w: config["studies"][w.study],
+        cache_dir=RUN.hf_cache,
+    log:
+        "logs/{study}/local_hub.log",
+    benchmark:
+        "benchmarks/{study}/local_hub.tsv"
+    script:
+        "../scripts/local_hub.py"
+
+
+rule fetch_checkpoint:
+    input:
+        unpack(local_hub_input),
+    output:
+        "results/{study}/{model}/checkpoint.json",
+    params:
+        repo=lambda w: study(w).models[w.model].repo,
+        revision=lambda w: study(w).models[w.model].revision,
+        cache_dir=RUN.hf_cache,
+        offline=RUN.offline,
+        weights=RUN.weights,
+    log:
+        "logs/{study}/{model}/fetch_checkpoint.log",
+    benchmark:
+        "benchmarks/{study}/{model}/fetch_checkpoint.tsv"
+    script:
+        "../scripts/fetch_checkpoint.py"
+
+
+rule fetch_dataset:
+    input:
+        unpack(local_hub_input),
+        checkpoint=first_model_checkpoint,
+    output:
+        "results/{study}/data/{samples}.json",
+    params:
+        name=lambda w: w.samples,
+        samples_spec=lambda w: study(w).raw["samples"][w.samples],
+        dataset=lambda w: study(w).raw["datasets"][study(w).raw["samples"][w.samples]["dataset"]],
+        family=lambda w: study(w).family,
+        cache_dir=RUN.hf_cache,
+        offline=RUN.offline,
+    log:
+        "logs/{study}/data/{samples}.log",
+    benchmark:
+        "benchmarks/{study}/data/{samples}.tsv"
+    script:
+        "../scripts/fetch_dataset.py"

@@ -1,0 +1,38 @@
+# Tidy tables of a study (pandas), then its README section (Jinja).
+
+
+rule aggregate:
+    input:
+        builds=lambda w: engine_files(study(w), "build.json"),
+        timings=lambda w: engine_files(study(w), "timing.json"),
+        kernels=lambda w: engine_files(study(w), "kernels.json"),
+        qualities=lambda w: engine_files(study(w), "quality.json"),
+        references=lambda w: [f"results/{w.study}/{m}/{s}/reference.json" for m, s in study(w).model_settings(True)],
+        amax=lambda w: [f"results/{w.study}/{m}/calib/w{win}/amax.json" for m in study(w).models for win in study(w).windows(m)],
+        checkpoints=lambda w: [f"results/{w.study}/{m}/checkpoint.json" for m in study(w).models],
+    output:
+        tables="results/{study}/tables.json",
+    params:
+        study=lambda w: study(w).raw,
+        run={"name": RUN.name, "weights": RUN.weights, "note": config["run"].get("note", "")},
+        targets=lambda w: {n: vars(t) for n, t in RUN.targets.items()},
+    log:
+        "logs/{study}/aggregate.log",
+    benchmark:
+        "benchmarks/{study}/aggregate.tsv"
+    script:
+        "../scripts/aggregate.py"
+
+
+rule render:
+    input:
+        tables="results/{study}/tables.json",
+        templates=lambda w: [f"templates/{t}" for t in ("macros.md.j2", "study.md.j2", f"{study(w).family}.md.j2")],
+    output:
+        readme="results/{study}/README.md",
+    log:
+        "logs/{study}/render.log",
+    benchmark:
+        "benchmarks/{study}/render.tsv"
+    script:
+        "../scripts/render.py"

@@ -109,6 +109,13 @@ class Study:
         base = self.raw["baseline"]
         return base.get("by_window", {}).get(self.settings[setting].window, base["default"])
 
+    def local_hub_specs(self) -> dict[str, list[dict[str, Any]]]:
+        """What the local_hub rule generates: the models and datasets that have a tiny spec."""
+        return {"models": [{"repo": m.repo, "revision": m.revision, "architecture": m.architecture, "tiny": m.tiny}
+                           for m in self.models.values() if m.tiny],
+                "datasets": [{"repo": d.repo, "revision": d.revision, "files": d.files, "tiny": d.tiny}
+                             for d in self.datasets.values() if d.tiny]}
+
     def model_settings(self, quality_only: bool = False):
         for model in self.models.values():
             for s in model.settings:
@@ -160,9 +167,12 @@ def _validate(doc: Any, schema_file: str, where: str) -> None:
 
 
 def deep_merge(base: dict, override: dict) -> dict:
+    """`override` over `base`, recursively for mappings; a null value removes the key."""
     out = copy.deepcopy(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = deep_merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
@@ -191,15 +201,19 @@ def tiny_dataset_spec(dataset: Dataset) -> dict[str, Any]:
     return {"files": dataset.files, "tiny": dataset.tiny}
 
 
-def load_study(spec_path: str | Path, overrides_path: str | Path | None = None) -> Study:
-    spec_path = Path(spec_path)
-    doc = _load_yaml(ROOT / spec_path if not spec_path.is_absolute() else spec_path)
-    where = str(spec_path)
-    if overrides_path:
-        overrides_path = Path(overrides_path)
-        doc = deep_merge(doc, _load_yaml(ROOT / overrides_path if not overrides_path.is_absolute()
-                                         else overrides_path))
-        where = f"{spec_path} + {overrides_path}"
+def _path(p: str | Path) -> Path:
+    """Config paths are relative to the workflow's root, wherever Snakemake runs."""
+    p = Path(p)
+    return p if p.is_absolute() else ROOT / p
+
+
+def load_study(spec_path: str | Path, overrides: str | list[str] | None = None) -> Study:
+    """A study spec with its override files deep-merged over it in order, validated."""
+    overrides = [overrides] if isinstance(overrides, (str, Path)) else list(overrides or [])
+    doc = _load_yaml(_path(spec_path))
+    for o in overrides:
+        doc = deep_merge(doc, _load_yaml(_path(o)) or {})
+    where = " + ".join(str(p) for p in [spec_path, *overrides])
     _validate(doc, "study.schema.yaml", where)
     return _build_study(doc, where)
 

@@ -30,12 +30,9 @@ def target_params(w):
     return {"target": w.target, **vars(RUN.targets[w.target])}
 
 
-def needs_local_hub(s):
-    return any(m.tiny for m in s.models.values()) or any(d.tiny for d in s.datasets.values())
-
-
 def local_hub_input(w):
-    return {"local_hub": f"results/{w.study}/local_hub.json"} if needs_local_hub(study(w)) else {}
+    specs = study(w).local_hub_specs()
+    return {"local_hub": f"results/{w.study}/local_hub.json"} if specs["models"] or specs["datasets"] else {}
 
 
 def checkpoint_json(w):
@@ -60,6 +57,22 @@ def amax_input(w):
     if any(name == "fp8" for name, _ in v.transforms_at(window(w))):
         return {"amax": f"results/{w.study}/{w.model}/calib/w{window(w)}/amax.json"}
     return {}
+
+
+EXPORT_DIR = "results/{study}/{model}/{setting}/onnx/{variant}"
+
+
+def export_input(w):
+    """The variant's exported ONNX, for targets whose backend builds from ONNX (onnxruntime, tensorrt)."""
+    if RUN.targets[w.target].backend == "torch":
+        return {}
+    return {"export": EXPORT_DIR.format(**dict(w.items())) + "/export.json"}
+
+
+def target_env(w):
+    """The conda env file a target's jobs run in (`env:` in its config), None for the workflow's own."""
+    env = RUN.targets[w.target].env
+    return f"../{env}" if env else None  # relative to rules/, as Snakemake reads conda paths
 
 
 def baseline_build(w):

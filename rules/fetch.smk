@@ -5,8 +5,11 @@ rule local_hub:
     output:
         "results/{study}/local_hub.json",
     params:
-        study_spec=lambda w: config["studies"][w.study],
+        family=lambda w: study(w).family,
+        models=lambda w: study(w).local_hub_specs()["models"],
+        datasets=lambda w: study(w).local_hub_specs()["datasets"],
         cache_dir=RUN.hf_cache,
+        weights=RUN.weights,
     log:
         "logs/{study}/local_hub.log",
     benchmark:

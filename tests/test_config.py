@@ -1,0 +1,104 @@
+"""Bad configs are clear errors before any job runs."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from quantstudy import config as qc
+
+from conftest import ROOT
+
+
+def study_doc() -> dict:
+    return qc.deep_merge(yaml.safe_load((ROOT / "config/studies/fnet.yaml").read_text()),
+                         yaml.safe_load((ROOT / "config/tiny/fnet.yaml").read_text()))
+
+
+def load(doc: dict, tmp_path) -> qc.Study:
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return qc.load_study(path)
+
+
+def test_embedded_default_and_cluster_configs_load():
+    for name in ("config.yaml", "b200.yaml", "b300.yaml"):
+        path = ROOT / "config" / name
+        if path.exists():
+            run = qc.load_run(yaml.safe_load(path.read_text()))
+            assert "fnet" in run.studies
+
+
+def test_real_study_names_the_write_up_revisions():
+    study = qc.load_study("config/studies/fnet.yaml")
+    assert study.models["fnet-base"].revision == "d89b6fad3cf5384848b783dc480f9685f49d008c"
+    assert study.models["fnet-large"].revision == "8b66d3b6d2164befbab948ce455230659c700043"
+    assert study.raw["samples"]["calibration"]["count"] == 544
+
+
+@pytest.mark.parametrize("revision", ["main", "v1.0", "d89b6fa", "D89B6FAD3CF5384848B783DC480F9685F49D008C"])
+def test_unpinned_checkpoint_revision(tmp_path, revision):
+    doc = study_doc()
+    doc["models"]["fnet-base"]["checkpoint"]["revision"] = revision
+    with pytest.raises(qc.ConfigError, match=r"models\.fnet-base\.checkpoint\.revision: revision .* is not pinned"):
+        load(doc, tmp_path)
+
+
+def test_unpinned_dataset_revision(tmp_path):
+    doc = study_doc()
+    doc["datasets"]["stsb"]["revision"] = "refs/pr/1"
+    with pytest.raises(qc.ConfigError, match=r"datasets\.stsb\.revision: .* not pinned"):
+        load(doc, tmp_path)
+
+
+def test_unknown_family(tmp_path):
+    doc = study_doc()
+    doc["family"] = "fnot"
+    with pytest.raises(qc.ConfigError, match=r"unknown family 'fnot'; registered families: fnet"):
+        load(doc, tmp_path)
+
+
+def test_recipe_pattern_that_matches_no_layer(tmp_path):
+    doc = study_doc()
+    doc["recipe"]["quantize"].append("fnet.encoder.layer.*.attention.dense")
+    with pytest.raises(qc.ConfigError, match=r"recipe pattern 'fnet.encoder.layer.\*.attention.dense' matches no layer of fnet-base"):
+        load(doc, tmp_path)
+
+
+def test_variant_with_unknown_transform(tmp_path):
+    doc = study_doc()
+    doc["variants"]["fp8-smooth"] = {"precision": "float16", "transforms": [{"smoothquant": {}}]}
+    with pytest.raises(qc.ConfigError, match=r"variant 'fp8-smooth' names unknown transform 'smoothquant'; known transforms: fp32_dequantize, fp8, hidden_scaling"):
+        load(doc, tmp_path)
+
+
+def test_tiny_revision_must_be_the_content_hash(tmp_path):
+    doc = study_doc()
+    doc["models"]["fnet-base"]["tiny"]["seed"] = 7
+    with pytest.raises(qc.ConfigError, match=r"content hash of its spec: set revision to [0-9a-f]{40}"):
+        load(doc, tmp_path)
+
+
+def test_overrides_null_removes_a_key():
+    merged = qc.deep_merge({"a": {"x": 1, "y": 2}, "b": 3}, {"a": {"x": None}, "b": 4})
+    assert merged == {"a": {"y": 2}, "b": 4}
+
+
+def test_snakemake_stops_before_any_job(tmp_path):
+    """The same check through Snakemake: a non-zero exit, the sentence, and no job started."""
+    doc = study_doc()
+    doc["models"]["fnet-base"]["checkpoint"]["revision"] = "main"
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(doc))
+    run = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    run["studies"]["fnet"] = {"spec": str(tmp_path / "study.yaml")}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(run))
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--snakefile", str(ROOT / "Snakefile"),
+                           "--directory", str(tmp_path), "--configfile", str(tmp_path / "config.yaml")],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "revision 'main' is not pinned" in proc.stdout + proc.stderr
+    assert not (tmp_path / "results").exists()

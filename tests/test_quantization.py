@@ -1,0 +1,76 @@
+"""FP8 fake-quant against a float64 reference, FP8Linear's math, and calibration determinism."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from quantstudy import quantization as q, steps
+
+E4M3_GRID = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
+
+
+def reference_qdq(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Float64 QuantizeLinear (round half to even, saturate to +-448) then DequantizeLinear.
+
+    The scale is the float32 value the graph stores; the quotient x/scale is float32, as in ONNX.
+    """
+    scale = float(torch.tensor(scale, dtype=torch.float32))
+    grid = E4M3_GRID[torch.isfinite(E4M3_GRID)]
+    bits = torch.arange(256)[torch.isfinite(E4M3_GRID)]
+    order = torch.argsort(grid)
+    grid, bits = grid[order], bits[order]
+    v = (x.to(torch.float32) / torch.tensor(scale, dtype=torch.float32)).to(torch.float64).clamp(-448, 448)
+    idx = torch.searchsorted(grid, v).clamp(1, len(grid) - 1)
+    lo, hi = grid[idx - 1], grid[idx]
+    pick_hi = (hi - v < v - lo) | ((hi - v == v - lo) & (bits[idx] % 2 == 0))
+    return torch.where(pick_hi, hi, lo) * scale
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** -7, 0.0123, 3.7])
+def test_fake_quant_matches_float64_reference(scale):
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(20000, generator=g) * 300 * scale,
+                   torch.tensor([0.0, -0.0, 448 * scale, 500 * scale, -1e9, 17 * scale, 18 * scale, 19 * scale]),
+                   # exact midpoints between neighbours: the ties-to-even cases
+                   ((E4M3_GRID[1:120] + E4M3_GRID[2:121]) / 2 * scale).float()])
+    s = torch.tensor(scale, dtype=torch.float32)
+    got = q.dequantize_fp8(q.quantize_fp8(x, s), s, torch.float64)
+    want = reference_qdq(x, scale)
+    assert torch.equal(got, want.to(torch.float32).to(torch.float64))
+
+
+def test_fp8_linear_is_quantize_dequantize_matmul_bias():
+    g = torch.Generator().manual_seed(1)
+    w, b, x = torch.randn(32, 16, generator=g), torch.randn(32, generator=g), torch.randn(4, 16, generator=g)
+    layer = q.FP8Linear(w, b, input_amax=float(x.abs().max()), weight_amax=float(w.abs().max()),
+                        dequantize_dtype=torch.float32, work_dtype=torch.float32)
+    sx, sw = float(x.abs().max()) / 448, float(w.abs().max()) / 448
+    want = reference_qdq(x, sx) @ reference_qdq(w, sw).T + b.double()
+    assert torch.allclose(layer(x).double(), want, rtol=1e-5, atol=1e-5)
+    assert layer.weight.dtype == torch.float8_e4m3fn
+
+
+def test_select_and_outlier_rule():
+    names = ["a.0.intermediate.dense", "a.0.output.dense", "a.1.output.dense", "a.pooler.dense"]
+    assert q.select(names, ["a.*.output.dense"]) == ["a.0.output.dense", "a.1.output.dense"]
+    amax = {n: {"input_amax": 1.0, "weight_amax": 1.0} for n in names}
+    amax["a.1.output.dense"]["input_amax"] = 30.0
+    report = q.outliers(amax, names[:3], 20)
+    assert report["layers"] == ["a.1.output.dense"] and report["largest_ratio"]["input_amax"] == 30.0
+
+
+def test_amax_file_is_deterministic(tiny_inputs, tmp_path):
+    study = tiny_inputs["study"]
+    docs = []
+    for i in range(2):
+        out = tmp_path / f"amax{i}.json"
+        steps.calibrate(study.family, "fnet-base", 128, study.recipe, str(tiny_inputs["checkpoint"]),
+                        str(tiny_inputs["calibration"]), str(out))
+        docs.append(json.loads(out.read_text()))
+    assert docs[0]["amax"] == docs[1]["amax"]
+    assert len(docs[0]["recipe_layers"]) == 2 * 2  # intermediate.dense and output.dense of 2 layers
+    assert all(v["input_amax"] > 0 for v in docs[0]["amax"].values())
+    assert docs[0]["provenance"]["inputs"]["checkpoint"]["sha256"]

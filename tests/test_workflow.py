@@ -8,46 +8,21 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import ROOT
+from quantstudy.devtools import copy_checkout, planned_jobs, snakemake
 
 pytestmark = pytest.mark.workflow
-
-
-def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir,
-                          capture_output=True, text=True)
-
-
-def planned_jobs(dry_run_output: str) -> list[tuple[str, dict[str, str]]]:
-    """(rule, wildcards) of every job a dry run lists."""
-    jobs = []
-    for block in re.split(r"\n(?=(?:local)?rule \w+:)", dry_run_output):
-        m = re.match(r"(?:local)?rule (\w+):", block.strip())
-        if m:
-            w = re.search(r"wildcards: (.*)", block)
-            wildcards = dict(kv.split("=", 1) for kv in w.group(1).split(", ")) if w else {}
-            jobs.append((m.group(1), wildcards))
-    return jobs
 
 
 @pytest.fixture(scope="module")
 def workflow_copy(tmp_path_factory) -> Path:
     """A copy of the repository (tracked and new files) with the test config run once."""
-    dest = tmp_path_factory.mktemp("wf") / "repo"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for f in files:
-        if (ROOT / f).is_file():
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, dest / f)
+    dest = copy_checkout(ROOT, tmp_path_factory.mktemp("wf") / "repo")
     proc = snakemake(dest, "--configfile", ".test/config.yaml")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return dest
@@ -93,4 +68,5 @@ def test_changing_one_variant_reruns_only_its_chain(workflow_copy):
     jobs = planned_jobs(proc.stdout + proc.stderr)
     per_variant = [(rule, w["variant"]) for rule, w in jobs if "variant" in w]
     assert sorted(per_variant) == sorted((r, "fp8-no-output-dense") for r in ("build", "time", "profile", "evaluate"))
-    assert sorted(rule for rule, w in jobs if "variant" not in w) == ["aggregate", "render"]
+    # `all` is the target rule: it runs no code.
+    assert sorted(rule for rule, w in jobs if "variant" not in w) == ["aggregate", "all", "render"]

@@ -1,0 +1,28 @@
+"""Splicing a rendered section into an existing README, and the number formats."""
+
+from __future__ import annotations
+
+from quantstudy import render
+
+
+def test_splice_replaces_only_the_marked_section():
+    old = "# Family\n\nintro\n\n<!-- quantstudy:begin fnet -->\nold section\n<!-- quantstudy:end fnet -->\n\n## Other\nkept\n"
+    new_section = "<!-- quantstudy:begin fnet -->\nnew section\n<!-- quantstudy:end fnet -->\n"
+    out = render.splice(old, new_section, "fnet")
+    assert out == "# Family\n\nintro\n\n<!-- quantstudy:begin fnet -->\nnew section\n<!-- quantstudy:end fnet -->\n\n## Other\nkept\n"
+    assert render.splice(out, new_section, "fnet") == out  # idempotent
+
+
+def test_splice_appends_when_there_is_no_section_and_leaves_other_studies():
+    other = "<!-- quantstudy:begin gpt_neo -->\nx\n<!-- quantstudy:end gpt_neo -->\n"
+    section = "<!-- quantstudy:begin fnet -->\ny\n<!-- quantstudy:end fnet -->\n"
+    out = render.splice("# README\n\n" + other, section, "fnet")
+    assert out.startswith("# README\n\n" + other) and out.endswith(section)
+
+
+def test_ranges_and_formats():
+    assert render.span({"min": 1.031, "max": 1.109}, render.times, "x") == "1.03x to 1.11x"
+    assert render.span({"min": 0.5, "max": 0.5}, render.pct) == "50.00%"
+    assert render.span(None) == "not measured"
+    assert render.sci(5.9e-06) == "5.9e-06" and render.sci(0.0095) == "0.0095"
+    assert render._range([1.0, None, float("nan"), 3.0]) == {"min": 1.0, "max": 3.0, "n": 2}

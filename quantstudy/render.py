@@ -121,6 +121,8 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
                   if rows.get(v, {}).get("kl_mean") is not None and rows.get(cand, {}).get("kl_mean")]
         variant_summary[v] = {"x_batch1": _range(r["variants"].get(v, {}).get("x") for r in speed_rows if r["batch"] == 1),
                               "kl_to_candidate": _range(ratios)}
+    known_issue = [{**k, "target": target, "variants": q.get((target, k["model"], k["setting"]), {})}
+                   for target in t["targets"] for k in t["known_issue"]]
     failures = [r for table in ("builds", "speed", "quality", "kernels") for r in t[table] if r["status"] != "ok"]
     return {
         "t": t, "spec": spec, "candidate": cand, "run": t["run"], "settings": settings,
@@ -135,6 +137,7 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "size_change": size_change, "size_range": _range(s["change"] for s in size_change),
         "kernels": kernels, "failures": failures, "gpus": sorted({r["gpu"] for r in t["speed"]}),
         "decision": t["decision"], "variant_summary": variant_summary,
+        "known_issue": known_issue,
     }
 
 

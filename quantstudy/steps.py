@@ -7,6 +7,7 @@ memory between steps. A step that measures a variant records a failure as its re
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import sys
@@ -63,6 +64,14 @@ def _deterministic() -> None:
     torch.manual_seed(0)
 
 
+def _device() -> str:
+    """Where the fp32 reference and the calibration run: the GPU if there is one (real-size models
+    are too slow on a CPU), else the CPU. Recorded in their JSON."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _family(name: str):
     from quantstudy import families
 
@@ -71,32 +80,31 @@ def _family(name: str):
 
 # --- fixtures and fetching --------------------------------------------------------------------
 
-def local_hub(study_spec: dict[str, Any], cache_dir: str, out: str) -> None:
-    """Generate the study's tiny checkpoints and datasets into the local HF cache, at their revisions."""
-    from quantstudy import config as cfg, fixtures
+def local_hub(family: str, models: list[dict[str, Any]], datasets: list[dict[str, Any]], cache_dir: str,
+              out: str, weights: str = "tiny-random-init") -> None:
+    """Generate tiny checkpoints and datasets into the local HF cache, at their content-hash revisions.
+
+    `models`: repo, revision, architecture (dict) and tiny spec; `datasets`: repo, revision, files, tiny spec.
+    """
+    from quantstudy import fixtures
 
     started = now()
-    study = cfg.load_study(study_spec["spec"], study_spec.get("overrides"))
-    family = _family(study.family)
     placed = []
     vocab = 0
-    for m in study.models.values():
-        if m.tiny is None:
-            continue
-        files = family.tiny_checkpoint_files(m.architecture, m.tiny)
-        hub.place_in_cache(cache_dir, m.repo, "model", m.revision, files)
-        placed.append({"repo": m.repo, "repo_type": "model", "revision": m.revision, "files": sorted(files)})
-        vocab = max(vocab, m.architecture["vocab_size"])
-        log.info("placed %s at %s", m.repo, m.revision)
-    for d in study.datasets.values():
-        if d.tiny is None:
-            continue
-        files = fixtures.dataset_files(d.files, d.tiny, vocab or 512)
-        hub.place_in_cache(cache_dir, d.repo, "dataset", d.revision, files)
-        placed.append({"repo": d.repo, "repo_type": "dataset", "revision": d.revision, "files": sorted(files)})
-        log.info("placed dataset %s at %s", d.repo, d.revision)
-    write_json(out, "local_hub", {"weights": "tiny-random-init", "placed": placed,
-                                  "provenance": provenance("local_hub", params=study_spec, started=started)})
+    for m in models:
+        files = _family(family).tiny_checkpoint_files(m["architecture"], m["tiny"])
+        hub.place_in_cache(cache_dir, m["repo"], "model", m["revision"], files)
+        placed.append({"repo": m["repo"], "repo_type": "model", "revision": m["revision"], "files": sorted(files)})
+        vocab = max(vocab, m["architecture"]["vocab_size"])
+        log.info("placed %s at %s", m["repo"], m["revision"])
+    for d in datasets:
+        files = fixtures.dataset_files(d["files"], d["tiny"], vocab or 512)
+        hub.place_in_cache(cache_dir, d["repo"], "dataset", d["revision"], files)
+        placed.append({"repo": d["repo"], "repo_type": "dataset", "revision": d["revision"], "files": sorted(files)})
+        log.info("placed dataset %s at %s", d["repo"], d["revision"])
+    write_json(out, "local_hub", {"weights": weights, "placed": placed,
+                                  "provenance": provenance("local_hub", params={"models": models, "datasets": datasets},
+                                                           started=started)})
 
 
 def fetch_checkpoint(repo: str, revision: str, cache_dir: str, offline: bool, weights: str, out: str,
@@ -211,12 +219,13 @@ def reference(family: str, model: str, setting: str, window: int, metrics: dict[
     _deterministic()
     fam = _family(family)
     ckpt = read_json(checkpoint_json, "checkpoint")["snapshot"]
-    ref, tok = fam.load_reference(ckpt), fam.tokenizer(ckpt)
+    device = _device()
+    ref, tok = fam.load_reference(ckpt).to(device), fam.tokenizer(ckpt)
     heldout = [s["text"] for s in read_json(heldout_json, "samples")["samples"]]
     sentences, gold = _sts_sentences(read_json(sts_json, "samples"))
     ids = fam.encode(tok, heldout, window)
     masked, positions = _mask(ids, tok, metrics["mask_fraction"], seed)
-    last = lambda x: ref(input_ids=x, output_hidden_states=True).hidden_states[-1]
+    last = lambda x: ref(input_ids=x.to(device), output_hidden_states=True).hidden_states[-1]
     log.info("reference %s %s: %d passages, %d masked tokens, %d STS sentences", model, setting, len(heldout),
              len(positions), len(sentences))
     masked_features = _features(last, masked, 8)
@@ -225,7 +234,7 @@ def reference(family: str, model: str, setting: str, window: int, metrics: dict[
     peaks = []
     progress = Progress("mixing peaks", ids.shape[0])
     for i in range(ids.shape[0]):
-        peaks += fam.mixing_peaks(ref, ids[i:i + 1])
+        peaks += fam.mixing_peaks(ref, ids[i:i + 1].to(device))
         progress(i + 1)
     tensors = {"heldout_ids": ids.to(torch.int32), "masked_ids": masked.to(torch.int32),
                "mask_positions": positions, "mlm_features": masked_features[positions[:, 0], positions[:, 1]].contiguous(),
@@ -234,7 +243,7 @@ def reference(family: str, model: str, setting: str, window: int, metrics: dict[
     artifacts.atomic_write(out_tensors, save(tensors))
     fp16_max = metrics["fp16_max"]
     write_json(out_json, "reference", {
-        "model": model, "setting": setting, "window": window,
+        "model": model, "setting": setting, "window": window, "device": device,
         "tensors": {k: list(v.shape) for k, v in tensors.items()}, "tensors_sha256": sha256_path(out_tensors),
         "sts_spearman": qm.sts_spearman(sts_cls[0::2], sts_cls[1::2], gold),
         "mixing_peak": {"max": max(peaks), "per_passage": peaks, "fp16_max": fp16_max,
@@ -252,9 +261,10 @@ def calibrate(family: str, model: str, window: int, recipe: dict[str, Any], chec
     _deterministic()
     fam = _family(family)
     ckpt = read_json(checkpoint_json, "checkpoint")["snapshot"]
-    encoder = fam.feature_model(ckpt, window)
+    device = _device()
+    encoder = fam.feature_model(ckpt, window).to(device)
     texts = [s["text"] for s in read_json(samples_json, "samples")["samples"]]
-    ids = fam.encode(fam.tokenizer(ckpt), texts, window)
+    ids = fam.encode(fam.tokenizer(ckpt), texts, window).to(device)
     batches = [{"input_ids": ids[i:i + 8]} for i in range(0, ids.shape[0], 8)]
     log.info("calibrating %s at %d tokens on %d passages (%d batches)", model, window, len(texts), len(batches))
     amax = quantization.calibrate(encoder, batches, Progress("calibration batches", len(batches)))
@@ -262,7 +272,7 @@ def calibrate(family: str, model: str, window: int, recipe: dict[str, Any], chec
     report = quantization.outliers(amax, layers, recipe["outlier_ratio"])
     log.info("largest scale ratio to the median: %s; outliers: %s", report["largest_ratio"], report["layers"])
     write_json(out, "amax", {
-        "model": model, "window": window, "amax": amax, "recipe_layers": layers, "outliers": report,
+        "model": model, "window": window, "device": device, "amax": amax, "recipe_layers": layers, "outliers": report,
         "calibration": {"config": recipe["activation_calibration"], "passages": len(texts), "framing": "[CLS] ... [SEP], padded"},
         "provenance": provenance("calibrate", {"checkpoint": checkpoint_json, "samples": samples_json},
                                  {"window": window, "recipe": recipe}, started)})
@@ -288,21 +298,61 @@ def _variant_model(family: str, checkpoint_dir: str, window: int, spec: dict, re
     return quantization.apply_variant(model, spec, recipe, amax_doc)
 
 
-def build(ident: dict[str, Any], family: str, target: dict[str, Any], window: int, batch: int, spec: dict[str, Any],
-          recipe: dict[str, Any], checkpoint_json: str, amax_json: str | None, out: str) -> None:
-    """Build one engine (variant x target). A build that raises is recorded as failed."""
-    from quantstudy import backends
+def export(ident: dict[str, Any], family: str, window: int, batch: int, spec: dict[str, Any], recipe: dict[str, Any],
+           checkpoint_json: str, amax_json: str | None, out: str, opset: int | None = None) -> None:
+    """Export one variant to ONNX (fp32, fp16, FP8 Q/DQ) at the setting's shape. A failure is recorded."""
+    from quantstudy import export as qe
 
     started = now()
     inputs = {"checkpoint": checkpoint_json, **({"amax": amax_json} if amax_json else {})}
-    params = {"spec": spec, "recipe": recipe, "target": target, "window": window, "batch": batch}
+    params = {"spec": spec, "recipe": recipe, "window": window, "batch": batch, "opset": opset or qe.OPSET}
     try:
         _deterministic()
         amax_doc = read_json(amax_json, "amax") if amax_json else None
         ckpt = read_json(checkpoint_json, "checkpoint")["snapshot"]
         model, summary = _variant_model(family, ckpt, window, spec, recipe, amax_doc)
+        info = qe.export(model, _timing_ids(family, checkpoint_json, window, batch), Path(out).parent,
+                         opset or qe.OPSET)
+        if sorted(info["fp8_layers"]) != summary["fp8_layers"]:
+            raise RuntimeError(f"the ONNX has Q/DQ for {info['fp8_layers']}, the variant's FP8 layers are "
+                               f"{summary['fp8_layers']}")
+        log.info("exported %s: %s, %d bytes", ident, info["op_counts"], info["onnx_bytes"])
+        write_json(out, "export", {"status": "ok", **ident, "spec": spec, **summary, **info,
+                                   "onnx_sha256": sha256_path(info["onnx"]),
+                                   "provenance": provenance("export", inputs, params, started)})
+    except Exception:
+        _failure("export", out, ident, traceback.format_exc(), "export", inputs, params, started, spec=spec)
+
+
+def build(ident: dict[str, Any], family: str, target: dict[str, Any], window: int, batch: int, spec: dict[str, Any],
+          recipe: dict[str, Any], checkpoint_json: str, amax_json: str | None, out: str,
+          export_json: str | None = None) -> None:
+    """Build one engine (variant x target). A build that raises is recorded as failed.
+
+    The torch backend builds from the variant module; onnxruntime and tensorrt from the
+    variant's exported ONNX (`export_json`).
+    """
+    from quantstudy import backends
+
+    started = now()
+    inputs = {"checkpoint": checkpoint_json, **({"amax": amax_json} if amax_json else {}),
+              **({"export": export_json} if export_json else {})}
+    params = {"spec": spec, "recipe": recipe, "target": target, "window": window, "batch": batch}
+    try:
+        _deterministic()
+        amax_doc = read_json(amax_json, "amax") if amax_json else None
         backend = backends.get(target["backend"])
-        info = backend.build(model, Path(out).parent)
+        if getattr(backend, "INPUT", "module") == "onnx":
+            exported = read_json(export_json, "export")
+            if exported["status"] != "ok":
+                raise RuntimeError(f"the export of {ident['variant']} failed, so it cannot be built:\n"
+                                   f"{exported['error']}")
+            summary = {k: exported[k] for k in ("precision", "fp8_layers", "hidden_scale", "dequantize_dtype")}
+            info = backend.build(exported["onnx"], Path(out).parent, target)
+        else:
+            ckpt = read_json(checkpoint_json, "checkpoint")["snapshot"]
+            model, summary = _variant_model(family, ckpt, window, spec, recipe, amax_doc)
+            info = backend.build(model, Path(out).parent)
         calibration = None
         if amax_doc:
             calibration = {"amax": {n: amax_doc["amax"][n] for n in summary["fp8_layers"]},
@@ -322,9 +372,12 @@ def _runner(family: str, build_doc: dict[str, Any], recipe: dict, checkpoint_jso
 
     if build_doc["status"] != "ok":
         raise RuntimeError(f"the build of {build_doc['variant']} failed, so it cannot be measured")
-    ckpt = read_json(checkpoint_json, "checkpoint")["snapshot"]
-    skeleton, _ = _variant_model(family, ckpt, window, build_doc["spec"], recipe, build_doc.get("calibration"))
-    return backends.get(target["backend"]).open(Path(build_doc["engine"]).parent, example_ids, target, skeleton)
+    backend = backends.get(target["backend"])
+    skeleton = None
+    if getattr(backend, "INPUT", "module") == "module":  # an ONNX engine carries its own structure
+        ckpt = read_json(checkpoint_json, "checkpoint")["snapshot"]
+        skeleton, _ = _variant_model(family, ckpt, window, build_doc["spec"], recipe, build_doc.get("calibration"))
+    return backend.open(Path(build_doc["engine"]).parent, example_ids, target, skeleton)
 
 
 def _timing_ids(family: str, checkpoint_json: str, window: int, batch: int):
@@ -349,12 +402,16 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], window: int
         ids = _timing_ids(family, checkpoint_json, window, batch)
         runners = {doc["variant"]: _runner(family, doc, recipe, checkpoint_json, window, target, ids)
                    for doc in (variant_doc, base_doc)}
-        result = qt.time_interleaved(runners, timing["warmup"], timing["rounds"], timing["calls_per_round"],
-                                     lambda line: log.info(line))
+        with qt.exclusive(target["device"]):
+            result = qt.time_interleaved(runners, timing["warmup"], timing["rounds"], timing["calls_per_round"],
+                                         lambda line: log.info(line))
+            # Proof of FP8: the kernels the variant's FP8 GEMM ops launch (a short profile, after timing).
+            fp8 = qt.fp8_proof(runners[ident["variant"]])
+        log.info("FP8 GEMMs: %s", fp8)
         v, b = result[ident["variant"]], result[baseline]
         write_json(out, "timing", {"status": "ok", **ident, "baseline": baseline, "batch": batch, "window": window,
                                    "variant_ms": v, "baseline_ms": b, **qt.speedup(b["samples_ms"], v["samples_ms"]),
-                                   "provenance": provenance("time", inputs, params, started)})
+                                   "fp8": fp8, "provenance": provenance("time", inputs, params, started)})
     except Exception:
         _failure("timing", out, ident, traceback.format_exc(), "time", inputs, params, started, baseline=baseline)
 
@@ -372,7 +429,12 @@ def profile(ident: dict[str, Any], family: str, target: dict[str, Any], window: 
         runner = _runner(family, read_json(build_json, "build"), recipe, checkpoint_json, window, target,
                          _timing_ids(family, checkpoint_json, window, batch))
         regions = set(fam.regions) | {quantization.FP8_REGION}
-        result = qt.kernel_profile(runner, calls, fam.kernel_group, regions)
+        classify = functools.partial(fam.kernel_group, window=window)
+        with qt.exclusive(target["device"]):
+            if hasattr(runner, "kernel_profile"):  # the backend's own profiler (ONNX Runtime, TensorRT)
+                result = runner.kernel_profile(calls, classify, quantization.FP8_REGION)
+            else:
+                result = qt.kernel_profile(runner, calls, classify, regions)
         write_json(out, "kernels", {"status": "ok", **ident, "groups": fam.kernel_groups, **result,
                                     "provenance": provenance("profile", inputs, params, started)})
     except Exception:
@@ -410,9 +472,11 @@ def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], window:
 
         masked = run(ref["masked_ids"], "masked held-out passages")
         pos = ref["mask_positions"]
+        device = target["device"]  # the MLM head over every masked token is a large GEMM
+        ref_model.to(device)
         with torch.no_grad():
-            mlm = qm.mlm_agreement(fam.mlm_logits(ref_model, ref["mlm_features"]),
-                                   fam.mlm_logits(ref_model, masked[pos[:, 0], pos[:, 1]]))
+            mlm = qm.mlm_agreement(fam.mlm_logits(ref_model, ref["mlm_features"].to(device)),
+                                   fam.mlm_logits(ref_model, masked[pos[:, 0], pos[:, 1]].to(device)))
         heldout = run(ref["heldout_ids"], "held-out passages")
         sts = run(ref["sts_ids"], "STS sentences")
         gold = [p["score"] for p in read_json(sts_json, "samples")["samples"]]

@@ -2,9 +2,31 @@
 # `snakemake results/<study>/<target>/<model>/<setting>/<variant>/timing.json` reruns one chain.
 
 
+rule export:
+    input:
+        unpack(amax_input),
+        checkpoint=checkpoint_json,
+    output:
+        export=EXPORT_DIR + "/export.json",
+    params:
+        ident=lambda w: {"model": w.model, "setting": w.setting, "variant": w.variant},
+        family=lambda w: study(w).family,
+        window=window,
+        batch=lambda w: study(w).setting(w.setting).batch,
+        spec=lambda w: study(w).variants[w.variant].spec(window(w)),
+        recipe=lambda w: study(w).recipe,
+    log:
+        "logs/{study}/{model}/{setting}/onnx/{variant}/export.log",
+    benchmark:
+        "benchmarks/{study}/{model}/{setting}/onnx/{variant}/export.tsv"
+    script:
+        "../scripts/export.py"
+
+
 rule build:
     input:
         unpack(amax_input),
+        unpack(export_input),
         checkpoint=checkpoint_json,
     output:
         build=VARIANT_DIR + "/build.json",
@@ -20,6 +42,8 @@ rule build:
         "logs/" + VARIANT_KEY + "/build.log",
     benchmark:
         "benchmarks/" + VARIANT_KEY + "/build.tsv"
+    conda:
+        target_env
     script:
         "../scripts/build.py"
 
@@ -43,6 +67,8 @@ rule time:
         "logs/" + VARIANT_KEY + "/time.log",
     benchmark:
         "benchmarks/" + VARIANT_KEY + "/time.tsv"
+    conda:
+        target_env
     script:
         "../scripts/time.py"
 
@@ -65,6 +91,8 @@ rule profile:
         "logs/" + VARIANT_KEY + "/profile.log",
     benchmark:
         "benchmarks/" + VARIANT_KEY + "/profile.tsv"
+    conda:
+        target_env
     script:
         "../scripts/profile.py"
 
@@ -91,5 +119,7 @@ rule evaluate:
         "logs/" + VARIANT_KEY + "/evaluate.log",
     benchmark:
         "benchmarks/" + VARIANT_KEY + "/evaluate.tsv"
+    conda:
+        target_env
     script:
         "../scripts/evaluate.py"

@@ -3,4 +3,4 @@ from quantstudy import steps
 
 with steps.logged(snakemake.log[0]):
     steps.build(checkpoint_json=snakemake.input.checkpoint, amax_json=snakemake.input.get("amax"),
-                out=snakemake.output.build, **snakemake.params)
+                export_json=snakemake.input.get("export"), out=snakemake.output.build, **snakemake.params)

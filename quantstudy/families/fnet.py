@@ -46,6 +46,15 @@ class FourierMixing(nn.Module):
         self.register_buffer("hidden_mat", torch.cat([ch, -sh], dim=0).float(), persistent=False)
         self.hidden_scale: float | None = None
 
+    def _apply(self, fn, recurse=True):
+        # The sequence-axis DFT is fp32 in every build: a dtype cast of the model must not round
+        # its matrices, so they are made again in fp32 on whatever device the cast left them.
+        super()._apply(fn, recurse)
+        cs, ss = _dft_matrices(self.seq_cos.shape[0])
+        self.seq_cos = cs.to(torch.float32).to(self.seq_cos.device)
+        self.seq_sin = ss.to(torch.float32).to(self.seq_sin.device)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         work = x.dtype
         with record_function("fnet.sequence_dft"):
@@ -107,23 +116,35 @@ class FNet:
 
     kernel_groups = KERNEL_GROUPS
     regions = REGIONS
-    # GPU kernel names, matched in order after FP8 GEMMs (which the backend recognizes).
-    kernel_patterns = [("sequence-axis DFT", r"(sgemm|f32f32|ffma|s1688gemm|gemm.*_f32_)"),
-                       ("other GEMMs", r"(gemm|hmma|xmma|cutlass|nvjet)")]
+    # GPU kernels that no recognised op launched (e.g. Triton GEMM templates), by name.
+    kernel_patterns = [("FP8 feed-forward GEMMs", r"(e4m3|fp8|f8f8|qqtst)"),
+                       ("other GEMMs", r"(gemm|hmma|xmma|cutlass|nvjet|triton_tem_.*mm)")]
 
     @staticmethod
-    def kernel_group(region: str | None, name: str, device: str) -> str:
-        """The write-up's kernel group of a profiled op (CPU, by region) or kernel (GPU, by name)."""
+    def kernel_group(region: str | None, name: str, device: str, op: dict[str, Any] | None = None,
+                     window: int | None = None) -> str:
+        """The write-up's kernel group of a profiled CPU op (by region) or GPU kernel.
+
+        A GPU kernel counts by the op that launched it: torch._scaled_mm is an FP8 GEMM; a GEMM
+        with a [window, window] operand (the DFT matrices) is the sequence-axis DFT; other GEMMs
+        are the hidden-axis DFT, the embedding projection and non-FP8 feed-forward layers.
+        Compiled code keeps no record_function regions, hence the shapes.
+        """
         import re
 
         from quantstudy.quantization import FP8_REGION
+        from quantstudy.timing import FP8_GEMM_OPS, GEMM_OPS
 
-        if region == FP8_REGION or re.search(r"e4m3|fp8|f8f8", name, re.I):
+        op_name = op["name"] if op else None
+        if region == FP8_REGION or op_name in FP8_GEMM_OPS:
             return "FP8 feed-forward GEMMs"
         if region in REGIONS:
             return REGIONS[region]
         if device == "cpu":
             return "other GEMMs" if re.match(r"aten::(mm|addmm|bmm|matmul|linear)$", name) else "other"
+        if op_name in GEMM_OPS:
+            square = window is not None and any(len(s) >= 2 and s[-2:] == [window, window] for s in op["shapes"])
+            return "sequence-axis DFT" if square else "other GEMMs"
         for group, pattern in FNet.kernel_patterns:
             if re.search(pattern, name, re.I):
                 return group
@@ -215,7 +236,7 @@ class FNet:
     @staticmethod
     def mixing_peaks(reference: nn.Module, input_ids: torch.Tensor) -> list[float]:
         """Largest |2D Fourier output| per input row in the fp32 reference (the fp16 overflow risk)."""
-        peaks = torch.zeros(input_ids.shape[0])
+        peaks = torch.zeros(input_ids.shape[0], device=input_ids.device)
 
         def hook(_m, _inp, out):
             peaks.copy_(torch.maximum(peaks, out[0].abs().flatten(1).amax(dim=1)))

@@ -1,0 +1,179 @@
+"""ONNX Runtime backend (CPU): runs the very ONNX that TensorRT gets.
+
+Its job in the study is proof: the exported graph (fp16 casts, FP8 Q/DQ) computes what the
+fake-quant PyTorch variant computes, so what TensorRT builds is the recipe. The engine is
+the exported ONNX, placed in the build folder; a session is opened once at build time so a
+graph ONNX Runtime cannot load fails there, as a build failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+INPUT = "onnx"  # what `build` takes: the exported ONNX (the torch backend takes a module)
+ENGINE_FILE = "model.onnx"
+PROVIDERS = ["CPUExecutionProvider"]
+
+
+def _session_options(target: dict[str, Any], profile_prefix: str | None = None) -> ort.SessionOptions:
+    """Session options from the target's `builder` block (threads, optimization level)."""
+    builder = target.get("builder") or {}
+    so = ort.SessionOptions()
+    level = builder.get("graph_optimization_level", "ORT_ENABLE_ALL")
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    if "intra_op_num_threads" in builder:
+        so.intra_op_num_threads = int(builder["intra_op_num_threads"])
+    so.log_severity_level = 3  # errors only: warnings about fp16 casts are expected
+    if profile_prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
+    return so
+
+
+def _place(onnx_path: Path, out_dir: Path) -> Path:
+    """The exported ONNX (and any external-data file) in the build folder: hard link, or copy."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    extra = {e.value for i in model.graph.initializer for e in i.external_data if e.key == "location"}
+    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".engine."))
+    try:
+        for name in sorted(extra) + [onnx_path.name]:  # the graph file last
+            src, dst = onnx_path.parent / name, tmp / (ENGINE_FILE if name == onnx_path.name else name)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copyfile(src, dst)
+            os.replace(dst, out_dir / dst.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir / ENGINE_FILE
+
+
+def build(onnx_path: str | Path, out_dir: str | Path, target: dict[str, Any]) -> dict[str, Any]:
+    """Place the ONNX as the engine and open a session on it (a graph ORT rejects fails here)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    engine = _place(Path(onnx_path), out_dir)
+    session = ort.InferenceSession(str(engine), _session_options(target), providers=PROVIDERS)
+    files = [p for p in out_dir.iterdir() if p.is_file() and not p.name.endswith(".json")]
+    return {"engine": str(engine), "engine_bytes": sum(p.stat().st_size for p in files),
+            "onnxruntime": {"version": ort.__version__, "providers": session.get_providers(),
+                            "graph_optimization_level": str(_session_options(target).graph_optimization_level)}}
+
+
+def open(out_dir: str | Path, example: torch.Tensor, target: dict[str, Any], skeleton=None) -> "Runner":
+    """The engine in `out_dir` as a runner at the example's shape (the ONNX's static shape)."""
+    return Runner(Path(out_dir) / ENGINE_FILE, example, target)
+
+
+class Runner:
+    """An ONNX Runtime session at the graph's static input shape."""
+
+    def __init__(self, engine: Path, example: torch.Tensor, target: dict[str, Any]):
+        self.engine, self.target = engine, target
+        self.device = torch.device("cpu")
+        self.session = ort.InferenceSession(str(engine), _session_options(target), providers=PROVIDERS)
+        inp, out = self.session.get_inputs()[0], self.session.get_outputs()[0]
+        self.input_name, self.output_name = inp.name, out.name
+        self.shape = tuple(inp.shape)
+        if tuple(example.shape[1:]) != self.shape[1:]:
+            raise ValueError(f"{engine} takes input of shape {self.shape}, the example is {tuple(example.shape)}")
+        self.static_input = self._fit(example)[0]
+        # Replay binds the static input and a preallocated output: no allocation, no copy per call.
+        self._binding = self.session.io_binding()
+        self._binding.bind_cpu_input(self.input_name, self.static_input)
+        self._binding.bind_output(self.output_name, "cpu")
+        self.session.run_with_iobinding(self._binding)
+        self.static_output = self._binding.get_outputs()[0]
+        self._binding.bind_ortvalue_output(self.output_name, self.static_output)
+
+    def _fit(self, ids: torch.Tensor) -> list[np.ndarray]:
+        """Rows in chunks of the graph's static batch; the last chunk padded by repeating its last row."""
+        a = ids.detach().cpu().numpy().astype(np.int64)
+        b = self.shape[0]
+        chunks = []
+        for i in range(0, a.shape[0], b):
+            c = a[i:i + b]
+            if c.shape[0] < b:
+                c = np.concatenate([c, np.repeat(c[-1:], b - c.shape[0], axis=0)])
+            chunks.append(np.ascontiguousarray(c))
+        return chunks
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        outs = [self.session.run([self.output_name], {self.input_name: c})[0] for c in self._fit(input_ids)]
+        return torch.from_numpy(np.concatenate(outs)[:input_ids.shape[0]])
+
+    def replay(self) -> None:
+        """One timed call on the bound static input."""
+        self.session.run_with_iobinding(self._binding)
+
+    def synchronize(self) -> None:
+        """CPU sessions run synchronously: nothing to wait for."""
+
+    def kernel_profile(self, calls: int, classify: Callable[[str | None, str, str], str],
+                       fp8_region: str) -> dict[str, Any]:
+        """Node time per call from ONNX Runtime's profiler, in the family's groups.
+
+        A node of an FP8 layer (its Q/DQ, MatMul and bias Add) is in `fp8_region`; other nodes
+        are classified as CPU ops, MatMul and Gemm under the names PyTorch gives them, with their
+        input shapes. The family's record_function regions do not survive export: a family
+        whose CPU groups rely on them alone (FNet's two DFT stages) sees both as its GEMM default.
+        """
+        from collections import defaultdict
+
+        with tempfile.TemporaryDirectory() as tmp:
+            session = ort.InferenceSession(str(self.engine), _session_options(self.target, f"{tmp}/ort"),
+                                           providers=PROVIDERS)
+            for _ in range(calls + 1):  # the first call warms up and is dropped
+                session.run(None, {self.input_name: self.static_input})
+            events = _profile_events(session.end_profiling())
+        events = events[len(events) // (calls + 1):]
+        fp8_layers = _fp8_layers_of(self.engine)
+        shapes = _input_shapes(self.engine)
+        groups: dict[str, float] = defaultdict(float)
+        kernels: dict[tuple[str, str], float] = defaultdict(float)
+        for e in events:
+            node, op = e["name"].removesuffix("_kernel_time"), e["args"].get("op_name", "")
+            layer = node.split("/")[0].removesuffix(".input_quantizer").removesuffix(".weight_quantizer")
+            region = fp8_region if layer in fp8_layers else None
+            name = {"MatMul": "aten::matmul", "Gemm": "aten::addmm"}.get(op, f"onnxruntime::{op}")
+            group = classify(region, name, "cpu", {"name": name, "shapes": shapes.get(node, []), "dtypes": []})
+            groups[group] += e["dur"] / 1e3 / calls
+            kernels[(group, f"{node} ({op})")] += e["dur"] / 1e3 / calls
+        top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
+        return {"groups_ms": dict(groups), "total_ms": sum(groups.values()),
+                "top_kernels": [{"group": g, "name": n, "ms": ms} for (g, n), ms in top]}
+
+
+def _profile_events(path: str) -> list[dict[str, Any]]:
+    """The per-node kernel events of an ONNX Runtime profile file, in order."""
+    events = json.loads(Path(path).read_text())
+    return [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
+
+
+def _input_shapes(engine: Path) -> dict[str, list[list[int]]]:
+    """Each node's input shapes (static graph, after ONNX shape inference)."""
+    import onnx
+
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(engine), load_external_data=False))
+    g = model.graph
+    known = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+             for v in list(g.input) + list(g.value_info) + list(g.output)}
+    known.update({i.name: list(i.dims) for i in g.initializer})
+    return {n.name: [known.get(i, []) for i in n.input if i] for n in g.node}
+
+
+def _fp8_layers_of(engine: Path) -> set[str]:
+    from quantstudy import export
+
+    return set(export.describe(engine)["fp8_layers"])

@@ -1,0 +1,293 @@
+"""TensorRT backend: a strongly typed engine from the exported Q/DQ ONNX.
+
+Written against the documented TensorRT 10 / 11 Python API. TensorRT 11 has no precision
+flags: fp16 comes from an fp16 ONNX and FP8 from its explicit Q/DQ, so the network is
+strongly typed (the flag is required in 10 and ignored, always on, in 11). The build records
+what really runs in FP8 from the engine inspector (detailed verbosity): a recipe whose FP8
+GEMMs fell back to fp16 is flagged. Timing replays a CUDA graph of one enqueue on static
+device buffers (no data transfer); per-layer times come from an IProfiler in a separate run.
+A failed parse or build raises with TensorRT's own error text, which the build step records.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import tensorrt as trt
+import torch
+
+INPUT = "onnx"  # what `build` takes: the exported ONNX
+PLAN_FILE = "engine.plan"
+LAYERS_FILE = "layers.json"  # the engine inspector's JSON, beside the plan
+TIMING_CACHE_DIR = Path("resources/tensorrt-timing-cache")
+GEMM = re.compile(r"gemm|matmul|matrixmultiply|convolution|cask|fc", re.I)
+
+
+class ErrorCollector(trt.ILogger):
+    """A logger that keeps TensorRT's errors (and warnings) so that a failure carries its text."""
+
+    def __init__(self, min_severity: "trt.ILogger.Severity" = trt.ILogger.Severity.WARNING):
+        trt.ILogger.__init__(self)
+        self.min_severity = min_severity
+        self.errors: list[str] = []
+        self.warnings: list[str] = []
+
+    def log(self, severity: "trt.ILogger.Severity", msg: str) -> None:
+        if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
+            self.errors.append(msg)
+        elif severity == trt.ILogger.Severity.WARNING:
+            self.warnings.append(msg)
+
+
+class BuildError(RuntimeError):
+    """TensorRT could not parse or build the network; the message is TensorRT's error text."""
+
+
+def _require_gpu() -> torch.device:
+    if not torch.cuda.is_available():
+        raise RuntimeError("the tensorrt backend needs a CUDA GPU, and torch sees none here")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def gpu_key() -> str:
+    """GPU model, compute capability and TensorRT version: what a timing cache is valid for."""
+    device = _require_gpu()
+    name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{name}-sm{major}{minor}-trt{trt.__version__}"
+
+
+def timing_cache_path(target: dict[str, Any]) -> Path:
+    """The timing cache this target's builds share, keyed by GPU and TensorRT version."""
+    folder = Path((target.get("builder") or {}).get("timing_cache_dir", TIMING_CACHE_DIR))
+    return folder / f"{gpu_key()}.cache"
+
+
+def _atomic_bytes(path: Path, data: bytes) -> None:
+    from quantstudy.artifacts import atomic_write
+
+    atomic_write(path, data)
+
+
+def build(onnx_path: str | Path, out_dir: str | Path, target: dict[str, Any]) -> dict[str, Any]:
+    """Parse the ONNX into a strongly typed network, build the plan, inspect what runs in FP8."""
+    _require_gpu()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    builder_opts = target.get("builder") or {}
+    logger = ErrorCollector()
+    builder = trt.Builder(logger)
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise BuildError(f"TensorRT could not parse {onnx_path}:\n" + "\n".join(errors + logger.errors))
+
+    config = builder.create_builder_config()
+    level = int(builder_opts.get("optimization_level", 3))  # TensorRT's default is 3
+    config.builder_optimization_level = level
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # the inspector sees every layer's types
+    if "workspace_bytes" in builder_opts:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(builder_opts["workspace_bytes"]))
+    cache_path = timing_cache_path(target)
+    cache_in = cache_path.read_bytes() if cache_path.exists() else b""
+    cache = config.create_timing_cache(cache_in)
+    config.set_timing_cache(cache, False)  # False: a cache from another device or version is an error
+
+    start = time.perf_counter()
+    plan = builder.build_serialized_network(network, config)
+    build_s = time.perf_counter() - start
+    if plan is None:
+        raise BuildError("TensorRT could not build the engine:\n" + "\n".join(logger.errors or ["(no error text)"]))
+    plan_bytes = bytes(plan)
+    _atomic_bytes(out_dir / PLAN_FILE, plan_bytes)
+    _atomic_bytes(cache_path, bytes(cache.serialize()))  # last writer wins; entries are only hints
+
+    runtime = trt.Runtime(logger)
+    engine = runtime.deserialize_cuda_engine(plan_bytes)
+    if engine is None:
+        raise BuildError("TensorRT could not load the plan it built:\n" + "\n".join(logger.errors))
+    layers = json.loads(engine.create_engine_inspector().get_engine_information(trt.LayerInformationFormat.JSON))
+    _atomic_bytes(out_dir / LAYERS_FILE, json.dumps(layers, indent=1).encode())
+    expected = _recipe_fp8_layers(onnx_path)
+    return {"engine": str(out_dir / PLAN_FILE), "engine_bytes": len(plan_bytes),
+            "tensorrt": {"version": trt.__version__, "gpu": gpu_key(), "strongly_typed": True,
+                         "builder_optimization_level": level, "build_seconds": build_s,
+                         "timing_cache": {"path": str(cache_path), "warm_start": bool(cache_in)},
+                         "warnings": logger.warnings[-20:]},
+            "inspector": {"file": str(out_dir / LAYERS_FILE), **fp8_summary(layers, expected)}}
+
+
+def _recipe_fp8_layers(onnx_path: str | Path) -> list[str]:
+    from quantstudy import export
+
+    return export.describe(onnx_path)["fp8_layers"]
+
+
+def _datatypes(layer: dict[str, Any], side: str) -> list[str]:
+    return [str(t.get("Format/Datatype", "")) for t in layer.get(side, []) if isinstance(t, dict)]
+
+
+def _is_fp8_gemm(layer: dict[str, Any]) -> bool:
+    """A GEMM-like layer with an FP8 input: a projection that really runs in FP8."""
+    if not isinstance(layer, dict):
+        return False
+    kind = " ".join(str(layer.get(k, "")) for k in ("LayerType", "ParameterType", "TacticName", "Name"))
+    return bool(GEMM.search(kind)) and any("fp8" in t.lower() for t in _datatypes(layer, "Inputs"))
+
+
+def fp8_summary(inspector: dict[str, Any], expected: list[str]) -> dict[str, Any]:
+    """Which recipe layers the engine runs as FP8 GEMMs (by the inspector), and which fell back.
+
+    A recipe layer counts as FP8 when an FP8 GEMM layer's name or ONNX metadata names it (the
+    exporter names nodes after modules, and TensorRT names fused layers after their nodes).
+    """
+    layers = [layer for layer in inspector.get("Layers", []) if isinstance(layer, dict)]
+    fp8 = [layer for layer in layers if _is_fp8_gemm(layer)]
+    text = [f"{layer.get('Name', '')} {layer.get('Metadata', '')}" for layer in fp8]
+    covered = [n for n in expected if any(f"{n}/" in t or f"{n}." in t for t in text)]
+    return {"layers": len(layers), "fp8_gemm_layers": len(fp8), "recipe_fp8_layers": len(expected),
+            "recipe_layers_in_fp8": len(covered),
+            "fp8_fallback": sorted(set(expected) - set(covered)),
+            "fp8_fell_back": len(covered) < len(expected)}
+
+
+_TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bfloat16, "INT32": torch.int32,
+                 "INT64": torch.int64, "INT8": torch.int8, "BOOL": torch.bool, "FP8": torch.float8_e4m3fn}
+
+
+def _torch_dtype(dtype: "trt.DataType") -> torch.dtype:
+    return _TORCH_DTYPES[dtype.name]
+
+
+def open(out_dir: str | Path, example: torch.Tensor, target: dict[str, Any], skeleton=None) -> "Runner":
+    """The plan in `out_dir` as a runner at its static input shape, captured as a CUDA graph."""
+    return Runner(Path(out_dir), example, target)
+
+
+class Runner:
+    """A TensorRT execution context on static device buffers; timing replays a CUDA graph."""
+
+    def __init__(self, out_dir: Path, example: torch.Tensor, target: dict[str, Any]):
+        self.device = _require_gpu()
+        self.out_dir = out_dir
+        self.logger = ErrorCollector()
+        self.runtime = trt.Runtime(self.logger)
+        self.engine = self.runtime.deserialize_cuda_engine((out_dir / PLAN_FILE).read_bytes())
+        if self.engine is None:
+            raise BuildError(f"TensorRT could not load {out_dir / PLAN_FILE}:\n" + "\n".join(self.logger.errors))
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        mode = self.engine.get_tensor_mode
+        self.input_name = next(n for n in names if mode(n) == trt.TensorIOMode.INPUT)
+        self.output_name = next(n for n in names if mode(n) == trt.TensorIOMode.OUTPUT)
+        self.shape = tuple(self.engine.get_tensor_shape(self.input_name))
+        if tuple(example.shape[1:]) != self.shape[1:]:
+            raise ValueError(f"the plan takes input of shape {self.shape}, the example is {tuple(example.shape)}")
+        self.static_input = torch.empty(self.shape, dtype=_torch_dtype(self.engine.get_tensor_dtype(self.input_name)),
+                                        device=self.device)
+        self.static_input.copy_(self._chunks(example)[0])
+        self.static_output = torch.empty(tuple(self.engine.get_tensor_shape(self.output_name)),
+                                         dtype=_torch_dtype(self.engine.get_tensor_dtype(self.output_name)),
+                                         device=self.device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.context = self._context()
+        self.graph = self._capture()
+
+    def _context(self):
+        context = self.engine.create_execution_context()
+        context.set_tensor_address(self.input_name, self.static_input.data_ptr())
+        context.set_tensor_address(self.output_name, self.static_output.data_ptr())
+        return context
+
+    def _enqueue(self, context) -> None:
+        if not context.execute_async_v3(self.stream.cuda_stream):
+            raise RuntimeError("TensorRT enqueue failed:\n" + "\n".join(self.logger.errors))
+
+    def _capture(self) -> torch.cuda.CUDAGraph:
+        # One plain enqueue first: TensorRT finishes its lazy setup outside the capture.
+        self._enqueue(self.context)
+        self.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            self._enqueue(self.context)
+        torch.cuda.synchronize(self.device)
+        return graph
+
+    def _chunks(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Rows in chunks of the plan's static batch; the last chunk padded by repeating its last row."""
+        b = self.shape[0]
+        chunks = []
+        for i in range(0, ids.shape[0], b):
+            c = ids[i:i + b]
+            if c.shape[0] < b:
+                c = torch.cat([c, c[-1:].expand(b - c.shape[0], -1)])
+            chunks.append(c)
+        return chunks
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for chunk in self._chunks(input_ids):
+            self.static_input.copy_(chunk.to(self.device, self.static_input.dtype))
+            self.graph.replay()
+            outs.append(self.static_output.clone())
+        return torch.cat(outs)[:input_ids.shape[0]]
+
+    def replay(self) -> None:
+        """One timed call: graph replay on the static buffers, no data transfer."""
+        self.graph.replay()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def kernel_profile(self, calls: int, classify: Callable[[str | None, str, str], str],
+                       fp8_region: str) -> dict[str, Any]:
+        """Per-layer time per call from an IProfiler, in a separate context and run (no graph).
+
+        A layer is classified by the engine inspector's view of it: its tactic (kernel) name,
+        whether it is a GEMM and its input shapes; an FP8 GEMM layer (FP8 inputs) is in
+        `fp8_region`.
+        """
+        from collections import defaultdict
+
+        inspector = json.loads((self.out_dir / LAYERS_FILE).read_text())
+        info = {layer.get("Name"): layer for layer in inspector.get("Layers", []) if isinstance(layer, dict)}
+        times: dict[str, float] = defaultdict(float)
+
+        class Profiler(trt.IProfiler):
+            def __init__(self):
+                trt.IProfiler.__init__(self)
+
+            def report_layer_time(self, layer_name: str, ms: float) -> None:
+                times[layer_name] += ms
+
+        context = self._context()
+        context.profiler = Profiler()
+        self._enqueue(context)  # warm-up
+        self.stream.synchronize()
+        times.clear()
+        for _ in range(calls):
+            self._enqueue(context)
+            self.stream.synchronize()  # the profiler reports each layer once the call completes
+        groups: dict[str, float] = defaultdict(float)
+        kernels: dict[tuple[str, str], float] = defaultdict(float)
+        for name, ms in times.items():
+            layer = info.get(name, {})
+            region = fp8_region if _is_fp8_gemm(layer) else None
+            kernel = str(layer.get("TacticName") or layer.get("LayerType") or name)
+            # The launching "op" of a TensorRT layer: a GEMM (by type or tactic) with its input shapes.
+            kind = " ".join(str(layer.get(k, "")) for k in ("LayerType", "ParameterType", "TacticName"))
+            op = {"name": "aten::matmul" if GEMM.search(kind) else str(layer.get("LayerType", "")),
+                  "shapes": [list(t.get("Dimensions", [])) for t in layer.get("Inputs", []) if isinstance(t, dict)],
+                  "dtypes": _datatypes(layer, "Inputs")}
+            group = classify(region, f"{kernel} {name}", "cuda", op)
+            groups[group] += ms / calls
+            kernels[(group, name)] += ms / calls
+        top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
+        return {"groups_ms": dict(groups), "total_ms": sum(groups.values()),
+                "top_kernels": [{"group": g, "name": n, "ms": ms} for (g, n), ms in top]}

@@ -1,0 +1,253 @@
+"""Backend contract: every backend importable here computes what the fake-quant torch variant computes.
+
+Parametrized over backends (torch, onnxruntime, tensorrt); one that does not import here, or
+needs a GPU that is not here, is skipped with the reason. The ONNX backends run the exported
+graph (fp16 casts, FP8 Q/DQ), so a pass proves the graph TensorRT gets computes the recipe.
+Tiny random-init FNet models (the embedded default's), window 128 for values, 512 for the
+fp16 overflow (NaN) pattern.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantstudy import backends, config, export, families, quantization
+
+RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
+          "dequantize_dtype": "float16"}
+FP8 = {"fp8": {}}
+VARIANTS = {
+    "fp32": {"precision": "float32", "transforms": []},
+    "fp16": {"precision": "float16", "transforms": []},
+    "fp16-hs": {"precision": "float16", "transforms": [{"hidden_scaling": {"factor": 64}}]},
+    "fp8": {"precision": "float16", "transforms": [FP8]},
+    "fp8-no-output-dense": {"precision": "float16", "transforms": [{"fp8": {"exclude": ["*.output.dense"]}}]},
+    "fp8-fp32-dequantize": {"precision": "float16", "transforms": [FP8, {"fp32_dequantize": {}}]},
+    # All of it in fp32 but the FP8 rounding: checks the Q/DQ math to float32 rounding (the
+    # recipe's fp16 Dequantize is checked layer by layer in test_export).
+    "fp32-fp8-fp32-dequantize": {"precision": "float32", "transforms": [FP8, {"fp32_dequantize": {}}]},
+}
+MODELS = {"fnet-base": ("tiny-fnet-base", {"seed": 0, "mixing_input_offset": 2.5}),
+          "fnet-large": ("tiny-fnet-large", {"seed": 1, "mixing_input_offset": 2.5})}
+WINDOW = 128
+# Every variant on the base model; the large one (twice the layers) on the main three.
+CASES = [("fnet-base", v) for v in VARIANTS] + [("fnet-large", v) for v in ("fp32", "fp16", "fp8")]
+
+
+def _backend(name: str):
+    ok, why = backends.available(name)
+    if not ok:
+        pytest.skip(f"backend {name} does not import here: {why}")
+    if name == "tensorrt" and not torch.cuda.is_available():
+        pytest.skip("backend tensorrt needs a CUDA GPU; torch sees none here")
+    return backends.get(name)
+
+
+def _target(name: str) -> dict:
+    return {"target": f"test-{name}", "backend": name, "device": "cuda" if name == "tensorrt" else "cpu",
+            "builder": {}}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The tiny FNet checkpoints of the embedded default, written as files (loaded like real ones)."""
+    fam = families.get("fnet")
+    out = {}
+    for model, (arch, tiny) in MODELS.items():
+        folder = tmp_path_factory.mktemp(model)
+        for name, data in fam.tiny_checkpoint_files(config.load_architecture(arch), tiny).items():
+            (folder / name).write_bytes(data)
+        out[model] = folder
+    return out
+
+
+def _amax(model: torch.nn.Module, ids: torch.Tensor) -> dict:
+    """Per-tensor max of every linear layer's input and weight: the statistic max calibration keeps
+    (ModelOpt itself is exercised by the calibrate step; here only the graph is under test)."""
+    amax, hooks = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            amax[name] = {"input_amax": 0.0, "weight_amax": float(m.weight.detach().abs().max())}
+
+            def hook(_m, inp, _out, name=name):
+                amax[name]["input_amax"] = max(amax[name]["input_amax"], float(inp[0].abs().max()))
+            hooks.append(m.register_forward_hook(hook))
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return {"amax": amax, "outliers": {"layers": []}}
+
+
+class Case:
+    """One variant of one tiny model at one window: its torch module, inputs and (lazily) its ONNX."""
+
+    def __init__(self, checkpoint, model: str, variant: str, window: int, tmp):
+        fam = families.get("fnet")
+        self.checkpoint, self.spec, self.window, self.tmp = checkpoint, VARIANTS[variant], window, tmp
+        self.ids = fam.stress_inputs(fam.tokenizer(checkpoint), window, 4, seed=0)["input_ids"]
+        self.amax = _amax(fam.feature_model(checkpoint, window), self.ids)
+        self.module = self.fresh()
+        with torch.no_grad():
+            self.expected = torch.cat([self.module(self.ids[i:i + 1]) for i in range(len(self.ids))]).float()
+        self._onnx = None
+
+    def fresh(self) -> torch.nn.Module:
+        model = families.get("fnet").feature_model(self.checkpoint, self.window)
+        return quantization.apply_variant(model, self.spec, RECIPE, self.amax)[0]
+
+    def onnx(self) -> str:
+        if self._onnx is None:
+            self._onnx = export.export(self.fresh(), self.ids[:1], self.tmp / "onnx")["onnx"]
+        return self._onnx
+
+
+@pytest.fixture(scope="module")
+def cases(checkpoints, tmp_path_factory):
+    made = {}
+
+    def get(model: str, variant: str, window: int = WINDOW) -> Case:
+        key = (model, variant, window)
+        if key not in made:
+            made[key] = Case(checkpoints[model], model, variant, window, tmp_path_factory.mktemp(f"{model}-{variant}"))
+        return made[key]
+    return get
+
+
+def _run(name: str, case: Case, tmp) -> tuple[torch.Tensor, object]:
+    """Build the case's engine on a backend, open it at batch 1, run all inputs through it."""
+    backend = _backend(name)
+    target = _target(name)
+    if getattr(backend, "INPUT", "module") == "onnx":
+        info = backend.build(case.onnx(), tmp, target)
+        runner = backend.open(tmp, case.ids[:1], target, None)
+    else:
+        info = backend.build(case.fresh(), tmp)
+        runner = backend.open(tmp, case.ids[:1], target, case.fresh())
+    assert info["engine_bytes"] > 0
+    return runner(case.ids).float().cpu(), runner
+
+
+def _tolerance(name: str, spec: dict) -> float:
+    """How far a backend may be from torch fake-quant.
+
+    fp32 graphs: float32 rounding. fp16 graphs: ONNX Runtime's CPU kernels compute fp16 ops in
+    fp32 (it inserts casts) where torch rounds each op to fp16; over two layers that is a few
+    fp16 ulps of outputs of magnitude ~4 (measured max 0.025). The torch backend runs the very
+    module: exact.
+    """
+    if name == "torch":
+        return 0.0
+    if spec["precision"] == "float32":
+        return 1e-4
+    return 0.05
+
+
+BACKENDS = ["torch", "onnxruntime", "tensorrt"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("model,variant", CASES)
+def test_backend_matches_torch_fake_quant(backend, model, variant, cases, tmp_path):
+    case = cases(model, variant)
+    got, _ = _run(backend, case, tmp_path)
+    want = case.expected
+    assert got.shape == want.shape
+    assert torch.isfinite(want).all(), "at 128 tokens every variant of the tiny models is finite"
+    diff = (got - want).abs()
+    tol = _tolerance(backend, case.spec)
+    print(f"{backend} {model} {variant}: max abs diff {diff.max().item():.3g} (tolerance {tol:g})")
+    if case.spec["precision"] == "float32" and any("fp8" in t for t in case.spec["transforms"]) and backend != "torch":
+        # A value on an FP8 rounding boundary may round the other way after float32 reordering
+        # upstream (measured: 0.4% of the elements, repeated-token rows repeat a flip): allow
+        # such flips, each bounded, and no more.
+        assert (diff > tol).float().mean() < 1e-2, f"{variant}: too many elements beyond {tol}"
+        assert diff.max() < 1e-2
+    else:
+        assert diff.max() <= tol, f"{backend} {model} {variant}: max abs diff {diff.max():.4g} > {tol}"
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "tensorrt"])
+def test_fp8_graph_computes_fp8_not_fp32(backend, cases, tmp_path):
+    """Discriminating: the graph with the recipe's Q/DQ is far closer to the FP8 recipe than to
+    the same graph without them (in fp32 graphs, where fp16 rounding noise does not hide FP8's)."""
+    fp8, fp32 = cases("fnet-base", "fp32-fp8-fp32-dequantize"), cases("fnet-base", "fp32")
+    got, _ = _run(backend, fp8, tmp_path)
+    to_recipe = (got - fp8.expected).abs().mean()
+    to_fp32 = (got - fp32.expected).abs().mean()
+    assert to_recipe * 100 < to_fp32, f"mean diff to the FP8 recipe {to_recipe:.3g}, to fp32 {to_fp32:.3g}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["fp16", "fp16-hs"])
+def test_fp16_overflow_pattern_at_512(backend, variant, cases, tmp_path):
+    """fp16 at 512 tokens overflows (NaN) on the tiny base model, as on the real ones; the 1/64
+    probe removes it. Every backend must show the same non-finite rows as torch."""
+    case = cases("fnet-base", variant, 512)
+    got, _ = _run(backend, case, tmp_path)
+    bad = lambda x: (~torch.isfinite(x)).flatten(1).any(1)
+    assert bad(got).tolist() == bad(case.expected).tolist()
+    assert bad(case.expected).any() == (variant == "fp16")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runner_interface(backend, cases, tmp_path):
+    """replay/synchronize/device, and a call with more rows than the static batch (chunked)."""
+    case = cases("fnet-base", "fp8")
+    _, runner = _run(backend, case, tmp_path)
+    runner.replay()
+    runner.synchronize()
+    assert runner.device.type == ("cuda" if backend == "tensorrt" else "cpu")
+    five = torch.cat([case.ids, case.ids[:1]])
+    out = runner(five).float().cpu()
+    assert out.shape[0] == 5
+    assert torch.equal(out[4], out[0])
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "tensorrt"])
+def test_kernel_profile_groups(backend, cases, tmp_path):
+    """The backend's own profiler puts the FP8 layers' nodes in the FP8 group and accounts for its time."""
+    case = cases("fnet-base", "fp8")
+    _, runner = _run(backend, case, tmp_path)
+    fam = families.get("fnet")
+    result = runner.kernel_profile(2, lambda *a: fam.kernel_group(*a, window=WINDOW), quantization.FP8_REGION)
+    assert set(result["groups_ms"]) <= set(fam.kernel_groups)
+    assert result["groups_ms"].get("FP8 feed-forward GEMMs", 0) > 0
+    assert result["total_ms"] == pytest.approx(sum(result["groups_ms"].values()))
+
+
+def test_tensorrt_reports_fp8_layers(cases, tmp_path):
+    """The engine inspector finds every recipe layer running as an FP8 GEMM (no fp16 fallback)."""
+    backend = _backend("tensorrt")
+    case = cases("fnet-base", "fp8")
+    info = backend.build(case.onnx(), tmp_path, _target("tensorrt"))
+    inspector = info["inspector"]
+    assert inspector["recipe_fp8_layers"] == 4
+    assert not inspector["fp8_fell_back"], inspector["fp8_fallback"]
+    assert info["tensorrt"]["strongly_typed"]
+
+
+def test_tensorrt_build_failure_carries_tensorrt_text(tmp_path):
+    """A graph TensorRT rejects raises BuildError with the parser's own words."""
+    backend = _backend("tensorrt")
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not an onnx file")
+    with pytest.raises(backend.BuildError, match="could not parse"):
+        backend.build(bad, tmp_path / "engine", _target("tensorrt"))
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(KeyError, match="unknown backend"):
+        backends.get("tflite")
+    ok, why = backends.available("tensorrt")
+    assert ok or why  # not importable here: the reason says why
+
+
+def test_onnx_input_backends_need_no_skeleton():
+    """The build step dispatches on INPUT: the ONNX backends build from the exported graph."""
+    for name in ("onnxruntime", "tensorrt"):
+        ok, _ = backends.available(name)
+        if ok:
+            assert backends.get(name).INPUT == "onnx"
+    assert getattr(backends.get("torch"), "INPUT", "module") == "module"

@@ -73,9 +73,18 @@ def _atomic_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, data)
 
 
+def _require_version(target: dict[str, Any]) -> None:
+    """A target pins its TensorRT version: an engine built by another version would be mislabelled."""
+    wanted = str(target.get("version") or "")
+    if wanted and not (trt.__version__ == wanted or trt.__version__.startswith(wanted + ".")):
+        raise BuildError(f"target {target.get('target', '')} wants TensorRT {wanted}, this environment has "
+                         f"{trt.__version__}: run it in {target.get('env') or 'its own environment'}")
+
+
 def build(onnx_path: str | Path, out_dir: str | Path, target: dict[str, Any]) -> dict[str, Any]:
     """Parse the ONNX into a strongly typed network, build the plan, inspect what runs in FP8."""
     _require_gpu()
+    _require_version(target)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     builder_opts = target.get("builder") or {}

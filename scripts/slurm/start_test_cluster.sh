@@ -26,6 +26,7 @@ fi
 "$(dirname "$0")/stop_test_cluster.sh" >/dev/null 2>&1 || true   # a clean slate each time
 
 mkdir -p "$STATE"/{ctld,slurmd} /etc/slurm /run/munge
+rm -f "$STATE/jobcomp.log"          # this cluster's record only
 # The node is declared at the size of one GPU's share of a B200/B300 node, so that the
 # profiles' per-rule CPU and memory requests are satisfiable; nothing enforces them here
 # (no cgroups), and config_overrides stops slurmd from draining the node for "low" resources.
@@ -69,6 +70,7 @@ NodeName=$NODE Name=gpu Type=$GPU_MODEL File=/dev/null
 CONF
 
 if ! pgrep -x munged >/dev/null; then
+  [ -s /etc/munge/munge.key ] || runuser -u munge -- mungekey --create
   chown munge:munge /run/munge
   runuser -u munge -- /usr/sbin/munged
   touch "$STATE/munged.ours"          # stop_test_cluster.sh stops munged only if we started it

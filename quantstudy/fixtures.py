@@ -23,7 +23,8 @@ def words(count: int, seed: int = 0) -> list[str]:
     out: list[str] = [".", ","]
     seen = set(out)
     while len(out) < count:
-        w = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+        # Longer words as the vocabulary grows (16 syllables give 4,368 words of up to 3).
+        w = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3 if count < 4000 else 5)))
         if w not in seen:
             seen.add(w)
             out.append(w)

@@ -43,15 +43,19 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (q.to(torch.float32) * scale).to(dtype)
 
 
-def fp8_gemm_supported(device: torch.device) -> bool:
+def fp8_gemm_supported(device: torch.device | str) -> bool:
+    """Whether `device` runs real FP8 GEMMs (torch._scaled_mm): CUDA with compute capability 8.9+."""
+    device = torch.device(device)
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 class FP8Linear(nn.Module):
     """activation -> Quantize -> Dequantize(dq) -> MatMul -> + bias, weight FP8 -> Dequantize(dq).
 
-    On a GPU with FP8 (sm_89+) the same math runs as one real FP8 GEMM (torch._scaled_mm);
-    elsewhere it is fake-quant through float8_e4m3fn casts. Create it after the model's
+    By default the math is fake-quant through float8_e4m3fn casts (any device). After
+    `use_fp8_gemm(model, device)` on a GPU with FP8 (sm_89+) the same math runs as one real FP8
+    GEMM, torch._scaled_mm with the static per-tensor scales. The choice is a plain attribute
+    set outside forward, so torch.compile sees a constant. Create the layer after the model's
     dtype cast: Module.to(dtype) would turn the FP8 weight into that dtype too.
     """
 
@@ -60,6 +64,7 @@ class FP8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight_fp32.shape[1], weight_fp32.shape[0]
         self.dequantize_dtype = dequantize_dtype
+        self.fp8_gemm = False
         self.register_buffer("weight_scale", scale_from_amax(weight_amax, dequantize_dtype))
         self.register_buffer("input_scale", scale_from_amax(input_amax, dequantize_dtype))
         self.register_buffer("weight", quantize_fp8(weight_fp32, self.weight_scale))
@@ -67,23 +72,46 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with record_function(FP8_REGION):
-            return self._forward(x)
+            return self._scaled_mm(x) if self.fp8_gemm else self._fake_quant(x)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fp8_gemm_supported(x.device):
-            shape = x.shape
-            out = torch._scaled_mm(quantize_fp8(x.reshape(-1, self.in_features), self.input_scale),
-                                   self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
-                                   bias=None if self.bias is None else self.bias.to(self.dequantize_dtype),
-                                   out_dtype=self.dequantize_dtype)
-            return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        # cuBLASLt FP8: A row-major [M, K], B column-major [K, N] (the [N, K] weight transposed,
+        # no copy), K and N multiples of 16, fp32 scales; the bias must be in the output dtype
+        # and fp16 or bf16, so an fp32 output (fp32_dequantize) adds it afterwards.
+        shape = x.shape
+        xq = quantize_fp8(x.reshape(-1, self.in_features), self.input_scale).contiguous()
+        fused_bias = self.bias is not None and self.dequantize_dtype in (torch.float16, torch.bfloat16)
+        out = torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
+                               bias=self.bias.to(self.dequantize_dtype) if fused_bias else None,
+                               out_dtype=self.dequantize_dtype)
+        if self.bias is not None and not fused_bias:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def _fake_quant(self, x: torch.Tensor) -> torch.Tensor:
         xq = dequantize_fp8(quantize_fp8(x, self.input_scale), self.input_scale, self.dequantize_dtype)
         w = dequantize_fp8(self.weight, self.weight_scale, self.dequantize_dtype)
         b = None if self.bias is None else self.bias.to(self.dequantize_dtype)
         return F.linear(xq, w, b).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, dequantize={self.dequantize_dtype}"
+        gemm = "torch._scaled_mm" if self.fp8_gemm else "fake-quant"
+        return f"in={self.in_features}, out={self.out_features}, dequantize={self.dequantize_dtype}, gemm={gemm}"
+
+
+def use_fp8_gemm(model: nn.Module, device: torch.device | str) -> list[str]:
+    """Switch the model's FP8 layers to real FP8 GEMMs where `device` has them; returns their names.
+
+    A layer whose shape cuBLASLt cannot take (K or N not a multiple of 16) stays fake-quant.
+    """
+    on = fp8_gemm_supported(device)
+    names = []
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Linear):
+            m.fp8_gemm = on and m.in_features % 16 == 0 and m.out_features % 16 == 0
+            if m.fp8_gemm:
+                names.append(name)
+    return names
 
 
 def linear_names(model: nn.Module) -> list[str]:

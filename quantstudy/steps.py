@@ -402,7 +402,7 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], window: int
         ids = _timing_ids(family, checkpoint_json, window, batch)
         runners = {doc["variant"]: _runner(family, doc, recipe, checkpoint_json, window, target, ids)
                    for doc in (variant_doc, base_doc)}
-        with qt.exclusive(target["device"]):
+        with qt.device_lock(target["device"]):
             result = qt.time_interleaved(runners, timing["warmup"], timing["rounds"], timing["calls_per_round"],
                                          lambda line: log.info(line))
             # Proof of FP8: the kernels the variant's FP8 GEMM ops launch (a short profile, after timing).
@@ -430,7 +430,7 @@ def profile(ident: dict[str, Any], family: str, target: dict[str, Any], window: 
                          _timing_ids(family, checkpoint_json, window, batch))
         regions = set(fam.regions) | {quantization.FP8_REGION}
         classify = functools.partial(fam.kernel_group, window=window)
-        with qt.exclusive(target["device"]):
+        with qt.device_lock(target["device"]):
             if hasattr(runner, "kernel_profile"):  # the backend's own profiler (ONNX Runtime, TensorRT)
                 result = runner.kernel_profile(calls, classify, quantization.FP8_REGION)
             else:

@@ -7,9 +7,13 @@ whose order rotates, so that their ratio is measured side by side.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import statistics
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -49,47 +53,155 @@ def speedup(baseline: list[float], variant: list[float]) -> dict[str, float]:
             "x_min": min(per_round), "x_max": max(per_round)}
 
 
-def kernel_profile(runner: Any, calls: int, classify: Callable[[str | None, str, str], str],
-                   regions: set[str]) -> dict[str, Any]:
-    """Self time per kernel group (ms per call), with the top kernels of each group.
+GEMM_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+            "aten::_scaled_mm", "aten::_scaled_mm_v2"}
+FP8_GEMM_OPS = {"aten::_scaled_mm", "aten::_scaled_mm_v2"}
 
-    CPU ops are attributed to the innermost annotated region they run in (record_function);
-    CUDA kernels by their names. `classify(region, name, device)` names the group.
-    """
+
+@contextlib.contextmanager
+def _flock(path: Path, mode: int):
+    with path.open("a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def device_lock(device: Any, shared: bool = False):
+    """Jobs that share a GPU (parallel Snakemake jobs on one node) take turns on it through a lock
+    file named by the GPU's UUID: a measurement (time, profile) holds it alone; GPU work that
+    would disturb one (a runner's compile, warm-up and graph capture) holds it `shared`, so such
+    work runs in parallel, but never during a measurement. A measurement waiting for its turn
+    closes a gate that new shared holders must pass, so that it is not starved. CPU work stays
+    parallel."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        yield
+        return
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", device.index or 0))
+    lock = Path(tempfile.gettempdir()) / f"quantstudy-gpu-{uuid}.lock"
+    gate = lock.with_suffix(".gate")
+    if shared:
+        with _flock(gate, fcntl.LOCK_SH):
+            pass
+        with _flock(lock, fcntl.LOCK_SH):
+            yield
+    else:
+        with _flock(gate, fcntl.LOCK_EX), _flock(lock, fcntl.LOCK_EX):
+            yield
+
+
+def _on_cuda(runner: Any) -> bool:
+    device = getattr(runner, "device", None)
+    return getattr(device, "type", device) == "cuda"
+
+
+def _op_info(op: Any) -> dict[str, Any] | None:
+    if op is None:
+        return None
+    return {"name": op.name, "shapes": [list(s) for s in (op.input_shapes or [])],
+            "dtypes": [str(d) for d in (getattr(op, "input_dtypes", None) or [])]}  # dtypes: torch 2.13+
+
+
+def _profiled(runner: Any, calls: int):
+    """Profile `calls` calls of the runner; yield (device, name, ms per call, op) for every CUDA
+    kernel (op: the CPU op that launched it) or CPU op (op: the op itself)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
-    cuda = getattr(runner, "device", None) is not None and runner.device.type == "cuda"
+    cuda = _on_cuda(runner)
     if cuda:
         activities.append(ProfilerActivity.CUDA)
-    runner.replay()
+    call = runner.profile_call if hasattr(runner, "profile_call") else runner.replay
+    call()
     runner.synchronize()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         for _ in range(calls):
-            runner.profile_call() if hasattr(runner, "profile_call") else runner.replay()
+            call()
         runner.synchronize()
+    events = prof.events()
+    if not cuda:
+        for event in events:
+            yield "cpu", event.name, event.self_cpu_time_total / 1e3 / calls, event
+        return
+    # A kernel is listed under the CPU op that launched it (the innermost one, e.g. aten::mm).
+    # Device time that no op claims comes from the device events, with op None; a device event
+    # named like a CPU event is the GPU twin of a record_function range, not a kernel.
+    launched: dict[str, float] = defaultdict(float)
+    cpu_names = set()
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CPU:
+            cpu_names.add(event.name)
+            for kernel in event.kernels:
+                launched[kernel.name] += kernel.duration
+                yield "cuda", kernel.name, kernel.duration / 1e3 / calls, event
+    on_device: dict[str, float] = defaultdict(float)
+    for event in events:
+        if (event.device_type == torch.autograd.DeviceType.CUDA and event.name not in cpu_names
+                and not getattr(event, "is_user_annotation", False)):
+            on_device[event.name] += event.self_device_time_total
+    for name, us in on_device.items():
+        if us - launched.get(name, 0.0) > 1e-3:
+            yield "cuda", name, (us - launched.get(name, 0.0)) / 1e3 / calls, None
+
+
+def _region(op: Any, regions: set[str]) -> str | None:
+    """The innermost annotated region (record_function) around an op."""
+    parent = op.cpu_parent if op is not None else None
+    while parent is not None:
+        if parent.name in regions:
+            return parent.name
+        parent = parent.cpu_parent
+    return None
+
+
+def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
+    """Self time per kernel group (ms per call), with the top kernels of each group.
+
+    `classify(region, name, device, op)` names the group of a CPU op or a CUDA kernel: `region` is
+    the innermost annotated region (record_function) around the op that ran or launched it,
+    `op` that op's name, input shapes and dtypes. Compiled code keeps no regions, so on a GPU
+    the launching op and the kernel's name decide. On CUDA the runner's `profile_call` runs the
+    compiled forward kernel by kernel (graph replay would hide which op launched a kernel).
+    """
     groups: dict[str, float] = defaultdict(float)
     kernels: dict[tuple[str, str], float] = defaultdict(float)
-    for event in prof.events():
-        if event.name in regions:
+    launched_by: dict[str, str] = {}
+    for device, name, ms, op in _profiled(runner, calls):
+        if name in regions:
             continue
-        if cuda:
-            if event.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            device, us = "cuda", event.self_device_time_total
-        else:
-            device, us = "cpu", event.self_cpu_time_total
-        region = None
-        parent = event.cpu_parent
-        while parent is not None:
-            if parent.name in regions:
-                region = parent.name
-                break
-            parent = parent.cpu_parent
-        group = classify(region, event.name, device)
-        groups[group] += us / 1e3 / calls
-        kernels[(group, event.name)] += us / 1e3 / calls
+        info = _op_info(op)
+        group = classify(_region(op, regions), name, device, info)
+        groups[group] += ms
+        kernels[(group, name)] += ms
+        if device == "cuda" and info:
+            launched_by[name] = info["name"]
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
     return {"groups_ms": dict(groups), "total_ms": sum(groups.values()),
-            "top_kernels": [{"group": g, "name": n, "ms": ms} for (g, n), ms in top]}
+            "profiled": "forward, kernel by kernel (no graph replay)" if _on_cuda(runner) else "forward",
+            "top_kernels": [{"group": g, "name": n, "ms": ms, "op": launched_by.get(n)} for (g, n), ms in top]}
+
+
+def fp8_proof(runner: Any, calls: int = 3) -> dict[str, Any]:
+    """What runs the runner's FP8 layers: the GEMM path, and on a GPU the kernels that FP8 GEMM ops
+    (torch._scaled_mm on float8_e4m3fn inputs) launched in a short profile of the forward."""
+    layers = list(getattr(runner, "fp8_gemm", []) or [])
+    fake = len(getattr(runner, "fp8_layers", []) or []) - len(layers)
+    proof: dict[str, Any] = {"gemm": "torch._scaled_mm" if layers else ("fake-quant" if fake else "none"),
+                             "fp8_gemm_layers": len(layers), "fake_quant_layers": fake, "kernels": [], "op_dtypes": [],
+                             "calls_per_forward": 0}
+    if not _on_cuda(runner):
+        return proof
+    names, dtypes, count = set(), set(), 0
+    for device, name, _ms, op in _profiled(runner, calls):
+        if device == "cuda" and op is not None and op.name in FP8_GEMM_OPS and not name.startswith("Mem"):
+            names.add(name)
+            dtypes.add(", ".join(str(d) for d in (getattr(op, "input_dtypes", None) or [])[:2]))  # torch 2.13+
+            count += 1
+    proof.update(kernels=sorted(names), op_dtypes=sorted(d for d in dtypes if d), calls_per_forward=count / calls)
+    return proof

@@ -31,12 +31,19 @@ def build(model: nn.Module, out_dir: str | Path) -> dict[str, Any]:
 
 
 def load(skeleton: nn.Module, out_dir: str | Path, device: str = "cpu") -> nn.Module:
-    """Fill a variant skeleton (same structure, any weights) with the engine file's weights."""
+    """Fill a variant skeleton (same structure, any weights) with the engine file's weights.
+
+    On a GPU with FP8 (sm_89+) its FP8 layers then run as real FP8 GEMMs (torch._scaled_mm).
+    """
     from safetensors.torch import load_file
+
+    from quantstudy.quantization import use_fp8_gemm
 
     state = load_file(str(Path(out_dir) / ENGINE_FILE), device=device)
     skeleton.load_state_dict(state, strict=True, assign=True)
-    return skeleton.to(device).eval()
+    model = skeleton.to(device).eval()
+    use_fp8_gemm(model, device)
+    return model
 
 
 def open(out_dir: str | Path, example: torch.Tensor, target: dict[str, Any], skeleton: nn.Module) -> "Runner":
@@ -46,11 +53,19 @@ def open(out_dir: str | Path, example: torch.Tensor, target: dict[str, Any], ske
 
 
 class Runner:
-    """Runs a variant module at a fixed input shape; on CUDA with compile, by CUDA graph replay."""
+    """Runs a variant module at a fixed input shape; on CUDA, by CUDA graph replay (compiled if asked).
+
+    `fp8_layers` names its FP8 layers, `fp8_gemm` those that run real FP8 GEMMs (none on CPU, where
+    they are fake-quant).
+    """
 
     def __init__(self, model: nn.Module, example: torch.Tensor, device: str = "cpu", compile: bool = False):
+        from quantstudy.quantization import FP8Linear
+
         self.device = torch.device(device)
-        self.model = model
+        self.model = self.eager = model
+        self.fp8_layers = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+        self.fp8_gemm = [n for n, m in model.named_modules() if isinstance(m, FP8Linear) and m.fp8_gemm]
         self.static_input = example.to(self.device)
         self.graph = None
         if compile:
@@ -60,6 +75,12 @@ class Runner:
 
     @torch.no_grad()
     def _capture(self) -> None:
+        from quantstudy.timing import device_lock
+
+        with device_lock(self.device, shared=True):  # not while another job measures
+            self._capture_graph()
+
+    def _capture_graph(self) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -77,7 +98,9 @@ class Runner:
             self.static_input.copy_(input_ids.to(self.device))
             self.graph.replay()
             return self.static_output.clone()
-        return self.model(input_ids.to(self.device))
+        # Another shape (e.g. the batch-of-8 scan of a batch-1 engine) runs eagerly: the same
+        # math, no recompile.
+        return self.eager(input_ids.to(self.device))
 
     def replay(self) -> None:
         """One timed call: graph replay (no data transfer) on CUDA, a plain forward on CPU."""
@@ -86,6 +109,13 @@ class Runner:
         else:
             with torch.no_grad():
                 self.model(self.static_input)
+
+    @torch.no_grad()
+    def profile_call(self) -> None:
+        """One profiled call: the same (compiled) forward launched kernel by kernel, not as a graph,
+        so that the profiler links every kernel to the op that launched it. Kernel times are the
+        graph's; only the launch gaps differ."""
+        self.model(self.static_input)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

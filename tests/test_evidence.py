@@ -1,0 +1,24 @@
+"""Committed evidence runs: their rendered README is what the templates make of their tables.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from quantstudy import artifacts, render
+
+from conftest import ROOT
+
+EVIDENCE = sorted(ROOT.glob("results/*/results/*/tables.json"))
+
+
+@pytest.mark.parametrize("tables", EVIDENCE, ids=[str(p.relative_to(ROOT)) for p in EVIDENCE])
+def test_evidence_readme_renders_from_its_tables(tables: Path):
+    rendered = render.render_section(artifacts.read_json(tables, "tables"))
+    assert rendered == (tables.parent / "README.md").read_text(), (
+        f"re-render it: python -m quantstudy.render {tables.relative_to(ROOT)}")
+
+
+def test_there_is_evidence():
+    assert EVIDENCE, "no committed evidence run under results/"

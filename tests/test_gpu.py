@@ -1,0 +1,118 @@
+"""The torch backend's CUDA paths: real FP8 GEMMs, torch.compile + CUDA graph replay, kernel profile.
+
+Skipped without a CUDA GPU with FP8 (compute capability 8.9+), so CI (CPU) skips them all; run on
+a GPU node with `python -m pytest tests/test_gpu.py -m gpu`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantstudy import quantization as qz, timing as qt
+from quantstudy.backends import torch_backend
+from quantstudy.config import load_architecture
+from quantstudy.families import get as family
+
+FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not FP8_GPU, reason="needs a CUDA GPU with FP8 GEMMs (compute capability 8.9+, e.g. H100/H200/L40S); "
+                        "this machine has " + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"))]
+
+RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
+          "dequantize_dtype": "float16"}
+
+
+def _linear(dequantize=torch.float16, bias=True):
+    torch.manual_seed(0)
+    w = torch.randn(256, 128)
+    b = torch.randn(256) if bias else None
+    return qz.FP8Linear(w, b, input_amax=4.0, weight_amax=float(w.abs().max()), dequantize_dtype=dequantize,
+                        work_dtype=torch.float16).cuda()
+
+
+@pytest.mark.parametrize("dequantize", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_scaled_mm_matches_fake_quant(dequantize, bias):
+    layer = _linear(dequantize, bias)
+    x = (torch.randn(3, 17, 128, device="cuda") * 1.5).half()  # M = 51: not a multiple of 16
+    fake = layer(x)
+    assert qz.use_fp8_gemm(layer, "cuda") == [""]
+    real = layer(x)
+    assert real.shape == fake.shape == (3, 17, 256) and real.dtype == torch.float16
+    # Same quantized operands; only the accumulation order and output rounding differ.
+    torch.testing.assert_close(real.float(), fake.float(), rtol=2e-2, atol=5e-2)
+
+
+def test_fp8_gemm_skips_shapes_cublaslt_cannot_take():
+    layer = qz.FP8Linear(torch.randn(24, 40), None, 1.0, 1.0, torch.float16, torch.float16).cuda()
+    assert qz.use_fp8_gemm(layer, "cuda") == [] and not layer.fp8_gemm
+
+
+def _tiny_fnet(variant: str, window: int = 256):
+    fam = family("fnet")
+    torch.manual_seed(0)
+    from transformers import FNetForPreTraining
+
+    ref = FNetForPreTraining(fam.hf_config(load_architecture("tiny-fnet-base"))).eval()
+    model = fam.feature_model(None, window, reference=ref)
+    layers = qz.select(qz.linear_names(model), RECIPE["quantize"])
+    amax = {"amax": {n: {"input_amax": 6.0, "weight_amax": 0.1} for n in layers}, "outliers": {"layers": []}}
+    spec = {"precision": "float16", "transforms": [{"fp8": {}}] if variant == "fp8" else []}
+    model, _ = qz.apply_variant(model, spec, RECIPE, amax)
+    return fam, model
+
+
+@pytest.fixture(scope="module")
+def fp8_runner():
+    fam, model = _tiny_fnet("fp8")
+    model = model.cuda()
+    qz.use_fp8_gemm(model, "cuda")
+    ids = torch.randint(5, 500, (1, 256))
+    eager = model(ids.cuda()).float()
+    return fam, torch_backend.Runner(model, ids, "cuda", compile=True), ids, eager
+
+
+def test_runner_compiles_and_replays_a_cuda_graph(fp8_runner):
+    _, runner, ids, eager = fp8_runner
+    assert runner.graph is not None and len(runner.fp8_gemm) == 4
+    out = runner(ids).float()
+    torch.testing.assert_close(out, eager, rtol=2e-2, atol=2e-2)
+    other = torch.randint(5, 500, (1, 256))
+    runner.static_input.copy_(other.cuda())
+    runner.replay()
+    runner.synchronize()
+    assert not torch.equal(runner.static_output.float(), out.cuda())  # the graph reads its static input
+    result = qt.time_interleaved({"a": runner, "b": runner}, warmup=2, rounds=3, calls=5)
+    assert result["a"]["median_ms"] > 0 and len(result["a"]["samples_ms"]) == 3
+
+
+def test_fp8_proof_names_the_fp8_gemm_kernels(fp8_runner):
+    _, runner, _, _ = fp8_runner
+    proof = qt.fp8_proof(runner)
+    print(proof)
+    assert proof["gemm"] == "torch._scaled_mm" and proof["fp8_gemm_layers"] == 4
+    assert proof["kernels"], "no kernel launched by torch._scaled_mm was seen"
+    assert proof["calls_per_forward"] == 4
+    assert all("Float8_e4m3fn" in d for d in proof["op_dtypes"])  # dtypes are recorded from torch 2.13 on
+
+
+def test_kernel_profile_has_the_write_up_groups(fp8_runner):
+    import functools
+
+    fam, runner, _, _ = fp8_runner
+    classify = functools.partial(fam.kernel_group, window=256)
+    prof = qt.kernel_profile(runner, 5, classify, set(fam.regions) | {qz.FP8_REGION})
+    print(prof["groups_ms"])
+    for k in prof["top_kernels"]:
+        print(f"{k['group']:24s} {k['ms']:.4f} {k['op']} {k['name'][:100]}")
+    assert set(prof["groups_ms"]) <= set(fam.kernel_groups)
+    for group in ("sequence-axis DFT", "other GEMMs", "FP8 feed-forward GEMMs"):
+        assert prof["groups_ms"].get(group, 0) > 0, group
+
+
+def test_fp16_variant_has_no_fp8_kernels():
+    _, model = _tiny_fnet("fp16")
+    runner = torch_backend.Runner(model.cuda(), torch.randint(5, 500, (1, 256)), "cuda", compile=True)
+    proof = qt.fp8_proof(runner)
+    assert proof["fp8_gemm_layers"] == 0 and proof["kernels"] == []

@@ -95,4 +95,4 @@ def engine_files(s, name):
 
 
 def final_targets():
-    return [f"results/{s}/README.md" for s in RUN.studies]
+    return [f"results/{s}/{name}" for s in RUN.studies for name in ("README.md", "audit.json")]

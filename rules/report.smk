@@ -36,3 +36,17 @@ rule render:
         "benchmarks/{study}/render.tsv"
     script:
         "../scripts/render.py"
+
+
+rule audit:
+    input:
+        tables="results/{study}/tables.json",
+        readme="results/{study}/README.md",
+    output:
+        audit="results/{study}/audit.json",
+    log:
+        "logs/{study}/audit.log",
+    benchmark:
+        "benchmarks/{study}/audit.tsv"
+    script:
+        "../scripts/audit.py"

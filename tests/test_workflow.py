@@ -70,3 +70,20 @@ def test_changing_one_variant_reruns_only_its_chain(workflow_copy):
     assert sorted(per_variant) == sorted((r, "fp8-no-output-dense") for r in ("build", "time", "profile", "evaluate"))
     # `all` is the target rule: it runs no code.
     assert sorted(rule for rule, w in jobs if "variant" not in w) == ["aggregate", "all", "render"]
+
+
+def test_audit_traces_the_readme_to_pinned_inputs(workflow_copy, monkeypatch):
+    report = json.loads((workflow_copy / "results/fnet/audit.json").read_text())
+    assert report["ok"] and report["readme_matches_tables"] and report["files_checked"] > 20
+
+    from quantstudy.audit import check_chain
+
+    monkeypatch.chdir(workflow_copy)
+    amax = workflow_copy / "results/fnet/fnet-base/calib/w512/amax.json"
+    original = amax.read_text()
+    try:
+        amax.write_text(original.replace('"input_amax": ', '"input_amax": 1', 1))
+        problems = check_chain("results/fnet/tables.json")["problems"]
+        assert any("amax.json) changed since it was read" in p for p in problems)
+    finally:
+        amax.write_text(original)

@@ -1,6 +1,6 @@
 """Backend contract: every backend importable here computes what the fake-quant torch variant computes.
 
-Parametrized over backends (torch, onnxruntime, tensorrt); one that does not import here, or
+Parametrized over backends (torch on CPU, onnxruntime, tensorrt, torch-cuda); one that does not import here, or
 needs a GPU that is not here, is skipped with the reason. The ONNX backends run the exported
 graph (fp16 casts, FP8 Q/DQ), so a pass proves the graph TensorRT gets computes the recipe.
 Tiny random-init FNet models (the embedded default's), window 128 for values, 512 for the
@@ -35,18 +35,25 @@ WINDOW = 128
 CASES = [("fnet-base", v) for v in VARIANTS] + [("fnet-large", v) for v in ("fp32", "fp16", "fp8")]
 
 
+# "torch-cuda": the torch backend on a GPU with FP8 (real _scaled_mm GEMMs, compiled, CUDA graph).
+ON_GPU = {"tensorrt", "torch-cuda"}
+
+
 def _backend(name: str):
-    ok, why = backends.available(name)
+    module = name.removesuffix("-cuda")
+    ok, why = backends.available(module)
     if not ok:
-        pytest.skip(f"backend {name} does not import here: {why}")
-    if name == "tensorrt" and not torch.cuda.is_available():
-        pytest.skip("backend tensorrt needs a CUDA GPU; torch sees none here")
-    return backends.get(name)
+        pytest.skip(f"backend {module} does not import here: {why}")
+    if name in ON_GPU and not torch.cuda.is_available():
+        pytest.skip(f"backend {name} needs a CUDA GPU; torch sees none here")
+    if name == "torch-cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("torch-cuda needs FP8 GEMMs (compute capability 8.9+)")
+    return backends.get(module)
 
 
 def _target(name: str) -> dict:
-    return {"target": f"test-{name}", "backend": name, "device": "cuda" if name == "tensorrt" else "cpu",
-            "builder": {}}
+    return {"target": f"test-{name}", "backend": name.removesuffix("-cuda"),
+            "device": "cuda" if name in ON_GPU else "cpu", "compile": name == "torch-cuda", "builder": {}}
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +146,14 @@ def _tolerance(name: str, spec: dict) -> float:
     """
     if name == "torch":
         return 0.0
+    if name == "torch-cuda":  # cuBLAS / Triton accumulation order, and real FP8 GEMMs
+        return 1e-3 if spec["precision"] == "float32" and not spec["transforms"] else 0.05
     if spec["precision"] == "float32":
         return 1e-4
     return 0.05
 
 
-BACKENDS = ["torch", "onnxruntime", "tensorrt"]
+BACKENDS = ["torch", "onnxruntime", "tensorrt", "torch-cuda"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -198,7 +207,7 @@ def test_runner_interface(backend, cases, tmp_path):
     _, runner = _run(backend, case, tmp_path)
     runner.replay()
     runner.synchronize()
-    assert runner.device.type == ("cuda" if backend == "tensorrt" else "cpu")
+    assert runner.device.type == ("cuda" if backend in ON_GPU else "cpu")
     five = torch.cat([case.ids, case.ids[:1]])
     out = runner(five).float().cpu()
     assert out.shape[0] == 5

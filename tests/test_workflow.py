@@ -69,7 +69,7 @@ def test_changing_one_variant_reruns_only_its_chain(workflow_copy):
     per_variant = [(rule, w["variant"]) for rule, w in jobs if "variant" in w]
     assert sorted(per_variant) == sorted((r, "fp8-no-output-dense") for r in ("build", "time", "profile", "evaluate"))
     # `all` is the target rule: it runs no code.
-    assert sorted(rule for rule, w in jobs if "variant" not in w) == ["aggregate", "all", "render"]
+    assert sorted(rule for rule, w in jobs if "variant" not in w) == ["aggregate", "all", "audit", "render"]
 
 
 def test_audit_traces_the_readme_to_pinned_inputs(workflow_copy, monkeypatch):

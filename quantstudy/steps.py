@@ -280,10 +280,6 @@ def calibrate(family: str, model: str, window: int, recipe: dict[str, Any], chec
 
 # --- engines ---------------------------------------------------------------------------------
 
-def _ids(target: dict[str, Any]):
-    return {k: target[k] for k in ("target", "model", "setting", "variant")}
-
-
 def _failure(kind: str, out: str, ident: dict[str, Any], error: str, rule: str, inputs: dict, params: dict,
              started: str, **extra) -> None:
     log.error("%s failed: %s", rule, error.strip().splitlines()[-1] if error.strip() else error)

@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from quantstudy.artifacts import now, provenance, read_json, write_json
+from quantstudy.render import value_range
 
 log = logging.getLogger("quantstudy")
 
@@ -59,11 +60,6 @@ def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
             for r in frame.to_dict("records")]
 
 
-def _range(values) -> dict[str, float] | None:
-    values = [v for v in values if v is not None and not pd.isna(v)]
-    return {"min": min(values), "max": max(values), "n": len(values)} if values else None
-
-
 def decide(study: dict[str, Any], speed: pd.DataFrame, quality: pd.DataFrame) -> dict[str, Any]:
     """Apply the study's decision rule to the candidate variant's rows; every condition is shown."""
     rule, cand = study["decision"], study["candidate"]
@@ -76,10 +72,10 @@ def decide(study: dict[str, Any], speed: pd.DataFrame, quality: pd.DataFrame) ->
     def cond(name, observed, threshold, ok, note=""):
         conditions.append({"name": name, "observed": observed, "threshold": threshold, "pass": bool(ok), "note": note})
 
-    xs = _range(b1.x) if len(b1) else None
+    xs = value_range(b1.x) if len(b1) else None
     cond("speedup at batch 1 (every row)", xs, rule["min_speedup_batch1"],
          xs is not None and xs["min"] >= rule["min_speedup_batch1"])
-    top1 = _range(q.top1) if len(q) else None
+    top1 = value_range(q.top1) if len(q) else None
     cond("masked-LM top-1 agreement (every row)", top1, rule["min_mlm_top1_agreement"],
          top1 is not None and top1["min"] >= rule["min_mlm_top1_agreement"])
     bar_failures = int((q.bar_sentences - q.bar_passed).sum()) if "bar_passed" in q and len(q) else None

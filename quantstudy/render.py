@@ -69,7 +69,8 @@ def span(r: dict | None, fmt=times, unit: str = "") -> str:
     return f"{lo}{unit}" if lo == hi else f"{lo}{unit} to {hi}{unit}"
 
 
-def _range(values) -> dict | None:
+def value_range(values) -> dict | None:
+    """min, max and count of the finite values among `values` (None and NaN left out), or None."""
     values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return {"min": min(values), "max": max(values), "n": len(values)} if values else None
 
@@ -98,7 +99,7 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         q[(row["target"], row["model"], row["setting"])][row["variant"]] = row
     baselines = {r["variant"] for r in t["speed"] if r["variant"] in
                  ({spec["baseline"]["default"]} | set(spec["baseline"].get("by_window", {}).values()))}
-    baseline_top1 = _range(r.get("top1") for r in t["quality"]
+    baseline_top1 = value_range(r.get("top1") for r in t["quality"]
                            if r["variant"] == _baseline_of(spec, settings[r["setting"]]["window"]))
     cand_q = [r for r in t["quality"] if r["variant"] == cand]
 
@@ -119,8 +120,8 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
     for v in spec["variants"]:
         ratios = [rows[v]["kl_mean"] / rows[cand]["kl_mean"] for rows in q.values()
                   if rows.get(v, {}).get("kl_mean") is not None and rows.get(cand, {}).get("kl_mean")]
-        variant_summary[v] = {"x_batch1": _range(r["variants"].get(v, {}).get("x") for r in speed_rows if r["batch"] == 1),
-                              "kl_to_candidate": _range(ratios)}
+        variant_summary[v] = {"x_batch1": value_range(r["variants"].get(v, {}).get("x") for r in speed_rows if r["batch"] == 1),
+                              "kl_to_candidate": value_range(ratios)}
     known_issue = [{**k, "target": target, "variants": q.get((target, k["model"], k["setting"]), {})}
                    for target in t["targets"] for k in t["known_issue"]]
     failures = [r for table in ("builds", "speed", "quality", "kernels") for r in t[table] if r["status"] != "ok"]
@@ -128,13 +129,13 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "t": t, "spec": spec, "candidate": cand, "run": t["run"], "settings": settings,
         "tiny": t["run"]["weights"] != "checkpoint", "speed_rows": speed_rows, "quality": q,
         "quality_variants": [v for v in spec["variants"] if v != "fp32"],
-        "x_batch1": _range(b1), "x_batched": _range(bn), "baselines": sorted(baselines),
-        "baseline_top1": baseline_top1, "candidate_top1": _range(r.get("top1") for r in cand_q),
-        "baseline_kl": _range(r.get("kl_mean") for r in t["quality"]
+        "x_batch1": value_range(b1), "x_batched": value_range(bn), "baselines": sorted(baselines),
+        "baseline_top1": baseline_top1, "candidate_top1": value_range(r.get("top1") for r in cand_q),
+        "baseline_kl": value_range(r.get("kl_mean") for r in t["quality"]
                               if r["variant"] == _baseline_of(spec, settings[r["setting"]]["window"])),
-        "candidate_kl": _range(r.get("kl_mean") for r in cand_q),
+        "candidate_kl": value_range(r.get("kl_mean") for r in cand_q),
         "candidate_nonfinite": sum(r.get("nonfinite") or 0 for r in cand_q),
-        "size_change": size_change, "size_range": _range(s["change"] for s in size_change),
+        "size_change": size_change, "size_range": value_range(s["change"] for s in size_change),
         "kernels": kernels, "failures": failures, "gpus": sorted({r["gpu"] for r in t["speed"]}),
         "decision": t["decision"], "variant_summary": variant_summary,
         "known_issue": known_issue,

@@ -25,4 +25,4 @@ def test_ranges_and_formats():
     assert render.span({"min": 0.5, "max": 0.5}, render.pct) == "50.00%"
     assert render.span(None) == "not measured"
     assert render.sci(5.9e-06) == "5.9e-06" and render.sci(0.0095) == "0.0095"
-    assert render._range([1.0, None, float("nan"), 3.0]) == {"min": 1.0, "max": 3.0, "n": 2}
+    assert render.value_range([1.0, None, float("nan"), 3.0]) == {"min": 1.0, "max": 3.0, "n": 2}

@@ -22,8 +22,8 @@ def _rows(paths: list[str], kind: str, flatten) -> pd.DataFrame:
     for path in paths:
         doc = read_json(path, kind)
         row = {k: doc.get(k) for k in ("target", "model", "setting", "variant", "status")}
-        row["error"] = (doc.get("error") or "").strip().splitlines()[-1:] or [None]
-        row["error"] = row["error"][0]
+        lines = (doc.get("error") or "").strip().splitlines()
+        row["error"] = lines[-1] if lines else None  # a traceback's last line names the error
         if doc.get("status", "ok") == "ok":
             row.update(flatten(doc))
         row["source"] = path

@@ -12,9 +12,9 @@ from pathlib import Path
 def copy_checkout(src: str | Path, dest: str | Path) -> Path:
     """Copy a checkout's tracked and new (not ignored) files: what a fresh clone plus local edits holds."""
     src, dest = Path(src), Path(dest)
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=src, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for f in files:
+    files = subprocess.run(["git", "ls-files", "-coz", "--exclude-standard"], cwd=src, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for f in filter(None, files):  # NUL-separated: names with spaces survive
         if (src / f).is_file():
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / f, dest / f)

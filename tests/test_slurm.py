@@ -15,7 +15,6 @@ import copy
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from quantstudy.devtools import copy_checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 START = ROOT / "scripts/slurm/start_test_cluster.sh"
@@ -53,13 +54,7 @@ def rename(profile, partition, gpu_model):
 
 def copy_repo(dest):
     """What a fresh clone plus the work tree's unignored files holds; no results, no caches."""
-    files = subprocess.run(["git", "ls-files", "-coz", "--exclude-standard"], cwd=ROOT,
-                           check=True, capture_output=True).stdout.decode().split("\0")
-    for rel in filter(None, files):
-        if (ROOT / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, dest / rel)
-    return dest
+    return copy_checkout(ROOT, dest)
 
 
 def start_snakemake(*args, cwd, log):

@@ -141,7 +141,7 @@ class FNet:
         if region in REGIONS:
             return REGIONS[region]
         if device == "cpu":
-            return "other GEMMs" if re.match(r"aten::(mm|addmm|bmm|matmul|linear)$", name) else "other"
+            return "other GEMMs" if name in GEMM_OPS else "other"
         if op_name in GEMM_OPS:
             square = window is not None and any(len(s) >= 2 and s[-2:] == [window, window] for s in op["shapes"])
             return "sequence-axis DFT" if square else "other GEMMs"

@@ -1,6 +1,6 @@
 """FP8 vs fp16 GEMM speed on this GPU, beside the model-level x of an evidence run.
 
-    python benchmarks/fp8_gemm.py [--tables results/h200-torch/tables.json]
+    python benchmarks/fp8_gemm.py [--tables results/h200-torch/results/fnet/tables.json]
 
 Times torch._scaled_mm (float8_e4m3fn inputs, per-tensor fp32 scales, fp16 output) against
 torch.mm in fp16 (fp32 accumulation), each as a CUDA graph of 20 GEMMs, median of 9 interleaved

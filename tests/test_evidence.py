@@ -10,7 +10,9 @@ from quantstudy import artifacts, render
 
 from conftest import ROOT
 
-EVIDENCE = sorted(ROOT.glob("results/*/results/*/tables.json"))
+# Each tables.json inside an evidence folder results/<machine-backend>/ has its rendered README.md
+# beside it (the workflow's own results/<study>/tables.json is one level up, and not evidence).
+EVIDENCE = sorted(ROOT.glob("results/*/*/**/tables.json"))
 
 
 @pytest.mark.parametrize("tables", EVIDENCE, ids=[str(p.relative_to(ROOT)) for p in EVIDENCE])

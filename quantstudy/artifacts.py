@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import fcntl
 import hashlib
 import json
 import os
@@ -115,6 +117,19 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def file_lock(path: str | Path, mode: int = fcntl.LOCK_EX):
+    """Hold an flock on `path` (created if missing): LOCK_EX alone, LOCK_SH with other sharers."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def write_json(path: str | Path, kind: str, doc: dict[str, Any]) -> None:

@@ -16,6 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
+from quantstudy.artifacts import file_lock
+
 
 def time_interleaved(runners: dict[str, Any], warmup: int, rounds: int, calls: int,
                      progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
@@ -59,16 +61,6 @@ FP8_GEMM_OPS = {"aten::_scaled_mm", "aten::_scaled_mm_v2"}
 
 
 @contextlib.contextmanager
-def _flock(path: Path, mode: int):
-    with path.open("a") as f:
-        fcntl.flock(f, mode)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
 def device_lock(device: Any, shared: bool = False):
     """Jobs that share a GPU (parallel Snakemake jobs on one node) take turns on it through a lock
     file named by the GPU's UUID: a measurement (time, profile) holds it alone; GPU work that
@@ -86,12 +78,12 @@ def device_lock(device: Any, shared: bool = False):
     lock = Path(tempfile.gettempdir()) / f"quantstudy-gpu-{uuid}.lock"
     gate = lock.with_suffix(".gate")
     if shared:
-        with _flock(gate, fcntl.LOCK_SH):
+        with file_lock(gate, fcntl.LOCK_SH):
             pass
-        with _flock(lock, fcntl.LOCK_SH):
+        with file_lock(lock, fcntl.LOCK_SH):
             yield
     else:
-        with _flock(gate, fcntl.LOCK_EX), _flock(lock, fcntl.LOCK_EX):
+        with file_lock(gate, fcntl.LOCK_EX), file_lock(lock, fcntl.LOCK_EX):
             yield
 
 

@@ -245,6 +245,22 @@ def test_tensorrt_reports_fp8_layers(cases, tmp_path):
     assert info["tensorrt"]["strongly_typed"]
 
 
+def test_tensorrt_timing_cache_keeps_every_builds_tactics(cases, tmp_path):
+    """Two builds that started from the same (empty) cache, saved one after the other: the file
+    ends with the tactics of both, not only the last writer's."""
+    backend = _backend("tensorrt")
+    files, sizes = {}, {}
+    for variant in ("fp16", "fp8"):
+        target = {**_target("tensorrt"), "builder": {"timing_cache_dir": str(tmp_path / variant)}}
+        backend.build(cases("fnet-base", variant).onnx(), tmp_path / f"engine-{variant}", target)
+        files[variant] = backend.timing_cache_path(target)
+        sizes[variant] = files[variant].stat().st_size
+    config = backend.trt.Builder(backend.trt.Logger()).create_builder_config()
+    fp8_cache = config.create_timing_cache(files["fp8"].read_bytes())
+    backend._save_timing_cache(config, fp8_cache, files["fp16"])  # the fp8 build saving second
+    assert files["fp16"].stat().st_size > max(sizes.values())
+
+
 def test_tensorrt_build_failure_carries_tensorrt_text(tmp_path):
     """A graph TensorRT rejects raises BuildError with the parser's own words."""
     backend = _backend("tensorrt")

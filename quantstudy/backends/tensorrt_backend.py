@@ -73,6 +73,17 @@ def _atomic_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, data)
 
 
+def _save_timing_cache(config: "trt.IBuilderConfig", cache: "trt.ITimingCache", path: Path) -> None:
+    """Merge this build's timing cache into the shared file: parallel builds (several Snakemake jobs,
+    one GPU model) each add their tactics instead of the last writer dropping the others'."""
+    from quantstudy.artifacts import file_lock
+
+    with file_lock(path.with_name(path.name + ".lock")):
+        if path.exists():
+            cache.combine(config.create_timing_cache(path.read_bytes()), False)  # same GPU and version
+        _atomic_bytes(path, bytes(cache.serialize()))
+
+
 def _require_version(target: dict[str, Any]) -> None:
     """A target pins its TensorRT version: an engine built by another version would be mislabelled."""
     wanted = str(target.get("version") or "")
@@ -115,7 +126,7 @@ def build(onnx_path: str | Path, out_dir: str | Path, target: dict[str, Any]) ->
         raise BuildError("TensorRT could not build the engine:\n" + "\n".join(logger.errors or ["(no error text)"]))
     plan_bytes = bytes(plan)
     _atomic_bytes(out_dir / PLAN_FILE, plan_bytes)
-    _atomic_bytes(cache_path, bytes(cache.serialize()))  # last writer wins; entries are only hints
+    _save_timing_cache(config, cache, cache_path)
 
     runtime = trt.Runtime(logger)
     engine = runtime.deserialize_cuda_engine(plan_bytes)

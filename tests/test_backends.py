@@ -224,13 +224,16 @@ def test_runner_interface(backend, cases, tmp_path):
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "tensorrt"])
 def test_kernel_profile_groups(backend, cases, tmp_path):
-    """The backend's own profiler puts the FP8 layers' nodes in the FP8 group and accounts for its time."""
+    """The backend's own profiler puts the FP8 layers' nodes in the FP8 group, tells the two DFT
+    stages apart by their operands' shapes (an exported graph keeps no regions), and accounts
+    for its time."""
     case = cases("fnet-base", "fp8")
     _, runner = _run(backend, case, tmp_path)
     fam = families.get("fnet")
     result = runner.kernel_profile(2, lambda *a: fam.kernel_group(*a, window=WINDOW), quantization.FP8_REGION)
     assert set(result["groups_ms"]) <= set(fam.kernel_groups)
-    assert result["groups_ms"].get("FP8 feed-forward GEMMs", 0) > 0
+    for group in ("FP8 feed-forward GEMMs", "sequence-axis DFT", "other GEMMs"):
+        assert result["groups_ms"].get(group, 0) > 0, group
     assert result["total_ms"] == pytest.approx(sum(result["groups_ms"].values()))
 
 

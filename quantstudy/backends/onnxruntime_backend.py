@@ -126,8 +126,9 @@ class Runner:
 
         A node of an FP8 layer (its Q/DQ, MatMul and bias Add) is in `fp8_region`; other nodes
         are classified as CPU ops, MatMul and Gemm under the names PyTorch gives them, with their
-        input shapes. The family's record_function regions do not survive export: a family
-        whose CPU groups rely on them alone (FNet's two DFT stages) sees both as its GEMM default.
+        input shapes: the family's record_function regions do not survive export, so its groups
+        come from the shapes (FNet: the sequence-axis DFT is the GEMM with a [window, window]
+        operand).
         """
         from collections import defaultdict
 

@@ -123,28 +123,31 @@ class FNet:
     @staticmethod
     def kernel_group(region: str | None, name: str, device: str, op: dict[str, Any] | None = None,
                      window: int | None = None) -> str:
-        """The write-up's kernel group of a profiled CPU op (by region) or GPU kernel.
+        """The write-up's kernel group of a profiled CPU op or GPU kernel.
 
-        A GPU kernel counts by the op that launched it: torch._scaled_mm is an FP8 GEMM; a GEMM
-        with a [window, window] operand (the DFT matrices) is the sequence-axis DFT; other GEMMs
-        are the hidden-axis DFT, the embedding projection and non-FP8 feed-forward layers.
-        Compiled code keeps no record_function regions, hence the shapes.
+        By region where the eager torch model marks one (record_function). Otherwise by the op
+        (a GPU kernel: the op that launched it): torch._scaled_mm is an FP8 GEMM; a GEMM with a
+        [window, window] operand (the sequence DFT matrices) is the sequence-axis DFT; other
+        GEMMs are the hidden-axis DFT, the embedding projection and non-FP8 feed-forward layers.
+        Compiled code and exported graphs (ONNX Runtime, TensorRT) keep no regions, hence the
+        shapes.
         """
         import re
 
         from quantstudy.quantization import FP8_REGION
         from quantstudy.timing import FP8_GEMM_OPS, GEMM_OPS
 
-        op_name = op["name"] if op else None
+        op_name = op["name"] if op else (name if device == "cpu" else None)
         if region == FP8_REGION or op_name in FP8_GEMM_OPS:
             return "FP8 feed-forward GEMMs"
         if region in REGIONS:
             return REGIONS[region]
-        if device == "cpu":
-            return "other GEMMs" if name in GEMM_OPS else "other"
         if op_name in GEMM_OPS:
-            square = window is not None and any(len(s) >= 2 and s[-2:] == [window, window] for s in op["shapes"])
+            shapes = op["shapes"] if op else []
+            square = window is not None and any(len(s) >= 2 and s[-2:] == [window, window] for s in shapes)
             return "sequence-axis DFT" if square else "other GEMMs"
+        if device == "cpu":
+            return "other"
         for group, pattern in FNet.kernel_patterns:
             if re.search(pattern, name, re.I):
                 return group

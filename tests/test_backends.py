@@ -9,6 +9,9 @@ fp16 overflow (NaN) pattern.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -52,7 +55,9 @@ def _backend(name: str):
 
 def _target(name: str) -> dict:
     return {"target": f"test-{name}", "backend": name.removesuffix("-cuda"),
-            "device": "cuda" if name in ON_GPU else "cpu", "compile": name == "torch-cuda", "builder": {}}
+            "device": "cuda" if name in ON_GPU else "cpu", "compile": name == "torch-cuda",
+            # TensorRT's timing cache of the tests: outside the repository's resources/.
+            "builder": {"timing_cache_dir": str(Path(tempfile.gettempdir()) / "quantstudy-test-tensorrt-cache")}}
 
 
 @pytest.fixture(scope="module")

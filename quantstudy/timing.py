@@ -193,7 +193,7 @@ def fp8_proof(runner: Any, calls: int = 3) -> dict[str, Any]:
     for device, name, _ms, op in _profiled(runner, calls):
         if device == "cuda" and op is not None and op.name in FP8_GEMM_OPS and not name.startswith("Mem"):
             names.add(name)
-            dtypes.add(", ".join(str(d) for d in (getattr(op, "input_dtypes", None) or [])[:2]))  # torch 2.13+
+            dtypes.add(", ".join(_op_info(op)["dtypes"][:2]))
             count += 1
     proof.update(kernels=sorted(names), op_dtypes=sorted(d for d in dtypes if d), calls_per_forward=count / calls)
     return proof

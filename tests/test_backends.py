@@ -148,8 +148,8 @@ def _tolerance(name: str, spec: dict) -> float:
     fp16 ulps of outputs of magnitude ~4 (measured max 0.025). The torch backend runs the very
     module, but the whole batch at once where the expected rows were computed one by one: CPU
     GEMMs may block a batch of 4 differently (measured on a 16-core H200 host: 5.3e-6 for fp32,
-    0.004 where that moves an FP8 rounding), so it gets the same bounds, and
-    test_torch_backend_is_the_module checks it bit for bit at the expected rows' shape.
+    0.004 where that moves an FP8 rounding), so it gets the same bounds, and is checked bit for
+    bit at the expected rows' shape.
     """
     if name == "torch-cuda":  # cuBLAS / Triton accumulation order, and real FP8 GEMMs
         return 1e-3 if spec["precision"] == "float32" and not spec["transforms"] else 0.05
@@ -165,8 +165,10 @@ BACKENDS = ["torch", "onnxruntime", "tensorrt", "torch-cuda"]
 @pytest.mark.parametrize("model,variant", CASES)
 def test_backend_matches_torch_fake_quant(backend, model, variant, cases, tmp_path):
     case = cases(model, variant)
-    got, _ = _run(backend, case, tmp_path)
+    got, runner = _run(backend, case, tmp_path)
     want = case.expected
+    if backend == "torch":  # the very module: at the expected rows' shape (batch 1), bit for bit
+        assert torch.equal(runner(case.ids[:1]).float(), want[:1])
     assert got.shape == want.shape
     assert torch.isfinite(want).all(), "at 128 tokens every variant of the tiny models is finite"
     diff = (got - want).abs()
@@ -180,14 +182,6 @@ def test_backend_matches_torch_fake_quant(backend, model, variant, cases, tmp_pa
         assert diff.max() < 1e-2
     else:
         assert diff.max() <= tol, f"{backend} {model} {variant}: max abs diff {diff.max():.4g} > {tol}"
-
-
-@pytest.mark.parametrize("model,variant", CASES)
-def test_torch_backend_is_the_module(model, variant, cases, tmp_path):
-    """On CPU, at batch 1, the torch backend's engine returns exactly what the fake-quant module does."""
-    case = cases(model, variant)
-    _, runner = _run("torch", case, tmp_path)
-    assert torch.equal(runner(case.ids[:1]).float(), case.expected[:1])
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "tensorrt"])

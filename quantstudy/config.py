@@ -207,23 +207,22 @@ def _path(p: str | Path) -> Path:
     return p if p.is_absolute() else ROOT / p
 
 
-def load_study(spec_path: str | Path, overrides: str | list[str] | None = None) -> Study:
-    """A study spec with its override files deep-merged over it in order, validated."""
+def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, against_code: bool = True) -> Study:
+    """A study spec with its override files deep-merged over it in order, validated.
+
+    `against_code` also checks the names it gives the code (family, transforms, the layers its
+    recipe patterns match), which imports torch and builds each model on the meta device."""
     overrides = [overrides] if isinstance(overrides, (str, Path)) else list(overrides or [])
     doc = _load_yaml(_path(spec_path))
     for o in overrides:
         doc = deep_merge(doc, _load_yaml(_path(o)) or {})
     where = " + ".join(str(p) for p in [spec_path, *overrides])
     _validate(doc, "study.schema.yaml", where)
-    return _build_study(doc, where)
+    return _build_study(doc, where, against_code)
 
 
-def _build_study(doc: dict[str, Any], where: str) -> Study:
-    from quantstudy import families, quantization  # deferred: these import torch
-
+def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
     problems: list[str] = []
-    if doc["family"] not in families.names():
-        problems.append(f"unknown family {doc['family']!r}; registered families: {', '.join(families.names())}")
     settings = {n: Setting(n, s["window"], s["batch"], s.get("quality", True)) for n, s in doc["settings"].items()}
     models = {}
     for name, m in doc["models"].items():
@@ -256,38 +255,47 @@ def _build_study(doc: dict[str, Any], where: str) -> Study:
     variants = {}
     for name, v in doc["variants"].items():
         transforms = tuple((next(iter(t)), dict(next(iter(t.values())) or {})) for t in v.get("transforms", []))
-        for t, _ in transforms:
-            if t not in quantization.TRANSFORMS:
-                problems.append(f"variant {name!r} names unknown transform {t!r}; "
-                                f"known transforms: {', '.join(sorted(quantization.TRANSFORMS))}")
         variants[name] = Variant(name, v["precision"], transforms)
     for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),
                        *[(f"baseline.by_window.{w}", n) for w, n in doc["baseline"].get("by_window", {}).items()]]:
         if name not in variants:
             problems.append(f"{role} names unknown variant {name!r}; variants: {', '.join(variants)}")
 
-    if not problems and doc["family"] in families.names():
-        family = families.get(doc["family"])
-        for model in models.values():
-            layers = family.linear_layer_names(model.architecture)
-            patterns = list(doc["recipe"]["quantize"])
-            for v in variants.values():
-                patterns += [p for t, params in v.transforms if t == "fp8" for p in params.get("include", [])]
-            for pattern in patterns:
-                if not fnmatch.filter(layers, pattern):
-                    problems.append(f"recipe pattern {pattern!r} matches no layer of {model.name} "
-                                    f"({model.architecture_name}); its linear layers are like {layers[:3]}")
+    if against_code and not problems:
+        problems += _problems_against_code(doc, models, variants)
     if problems:
         raise ConfigError(f"invalid study ({where}):\n" + "\n".join(f"  {p}" for p in problems))
     return Study(doc["study"], doc["family"], models, settings, datasets, variants, doc)
 
 
-def load_run(config: dict[str, Any]) -> Run:
+def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], variants: dict[str, Variant]) -> list[str]:
+    """The names a study gives the code: its family, its transforms, the layers its patterns match."""
+    from quantstudy import families, quantization  # deferred: these import torch
+
+    if doc["family"] not in families.names():
+        return [f"unknown family {doc['family']!r}; registered families: {', '.join(families.names())}"]
+    problems = [f"variant {v.name!r} names unknown transform {t!r}; "
+                f"known transforms: {', '.join(sorted(quantization.TRANSFORMS))}"
+                for v in variants.values() for t, _ in v.transforms if t not in quantization.TRANSFORMS]
+    family = families.get(doc["family"])
+    for model in models.values():
+        layers = family.linear_layer_names(model.architecture)
+        patterns = list(doc["recipe"]["quantize"])
+        for v in variants.values():
+            patterns += [p for t, params in v.transforms if t == "fp8" for p in params.get("include", [])]
+        for pattern in patterns:
+            if not fnmatch.filter(layers, pattern):
+                problems.append(f"recipe pattern {pattern!r} matches no layer of {model.name} "
+                                f"({model.architecture_name}); its linear layers are like {layers[:3]}")
+    return problems
+
+
+def load_run(config: dict[str, Any], against_code: bool = True) -> Run:
     """Validate a run config (the dict Snakemake read) and everything it names."""
     _validate(config, "config.schema.yaml", "workflow config")
     studies = {}
     for name, entry in config["studies"].items():
-        study = load_study(entry["spec"], entry.get("overrides"))
+        study = load_study(entry["spec"], entry.get("overrides"), against_code)
         if study.name != name:
             raise ConfigError(f"config names study {name!r} but {entry['spec']} is study {study.name!r}")
         studies[name] = study

@@ -5,7 +5,10 @@ sys.path.insert(0, workflow.basedir)  # the study package lives beside the Snake
 
 from quantstudy.config import load_run
 
-RUN = load_run(config)  # raises ConfigError, a readable sentence, before any job runs
+# Raises ConfigError, a readable sentence, before any job runs. A cluster job re-reads this
+# file twice (sbatch step, then srun step); the checks against the code import torch and cost
+# seconds per read, and the main process has already made them.
+RUN = load_run(config, against_code=workflow.is_main_process)
 
 
 wildcard_constraints:

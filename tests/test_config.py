@@ -75,6 +75,18 @@ def test_variant_with_unknown_transform(tmp_path):
         load(doc, tmp_path)
 
 
+def test_a_cluster_job_step_reads_the_config_without_torch():
+    """Job steps re-read the Snakefile (load_run(against_code=False)): no torch, no model built;
+    the full load imports both."""
+    code = ("import sys, yaml; from quantstudy.config import load_run; "
+            f"load_run(yaml.safe_load(open('config/config.yaml')), against_code={{}}); "
+            "print('torch' in sys.modules, 'transformers.models.fnet.modeling_fnet' in sys.modules)")
+    seen = {flag: subprocess.run([sys.executable, "-c", code.format(flag)], cwd=ROOT, check=True,
+                                 capture_output=True, text=True).stdout.split()
+            for flag in (False, True)}
+    assert seen == {False: ["False", "False"], True: ["True", "True"]}
+
+
 def test_tiny_revision_must_be_the_content_hash(tmp_path):
     doc = study_doc()
     doc["models"]["fnet-base"]["tiny"]["seed"] = 7

@@ -7,9 +7,9 @@ that the GPU rules asked for a GPU, and that the results equal a local run's. Wi
 where that is a failure. Its wall time, one GPU and one CPU sbatch line and the Slurm records
 go to logs/test_slurm/summary.md.
 
-The DAG is the embedded default (config/config.yaml, 149 jobs; measured here: 39 min with the
-local run beside it, one test GPU serializing the GPU rules). QS_SLURM_TEST_CONFIG=.test/config.yaml
-runs the workflow tests' smaller DAG (30 jobs, about 7 min) the same way.
+The DAG is the embedded default (config/config.yaml, 149 jobs) on a node of four test GPUs;
+each GPU job must have had a card of its own. QS_SLURM_TEST_CONFIG=.test/config.yaml runs the
+workflow tests' smaller DAG (30 jobs) the same way.
 """
 import copy
 import json
@@ -89,6 +89,12 @@ def slurm_records(run_uuid):
                          capture_output=True, text=True).stdout
     records = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in out.splitlines()]
     return [r for r in records if r.get("JobName") == run_uuid]
+
+
+def gpu_of(repo, job_id):
+    """The card Slurm gave a job: CUDA_VISIBLE_DEVICES in the environment its log prints (--verbose)."""
+    log = next((repo / "logs/slurm").glob(f"rule_*/**/{job_id}.log"))
+    return re.search(r"'CUDA_VISIBLE_DEVICES': '([^']*)'", log.read_text())[1]
 
 
 def rule_of(comment):
@@ -247,6 +253,18 @@ def test_dag_through_slurm(slurm_cluster, tmp_path):
         for r in rs:
             assert (r.get("TresPerJob") == f"gres:gpu:{GPU_MODEL}:1") == (rule in gpus), r
         assert (f"--gpus={GPU_MODEL}:1" in sbatch[rule]) == (rule in gpus), sbatch[rule]
+
+    # One GPU job per card: jobs that ran at the same time had different cards.
+    card = {r["JobId"]: gpu_of(on_slurm, r["JobId"]) for rs in per_rule.values() for r in rs
+            if r.get("TresPerJob")}
+    gpu_jobs = sorted((r for rs in per_rule.values() for r in rs if r["JobId"] in card),
+                      key=lambda r: r["StartTime"])
+    for i, a in enumerate(gpu_jobs):
+        for b in gpu_jobs[i + 1:]:
+            if b["StartTime"] >= a["EndTime"]:
+                continue
+            assert card[a["JobId"]] != card[b["JobId"]], (a, b)
+    assert len(set(card.values())) > 1, "the GPU jobs never ran side by side"
 
     # Same results as the local run, less provenance and measured times.
     assert results(on_slurm) == results(local)

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Start a real single-node Slurm (slurmctld + slurmd + munge) on this machine, for tests.
-# Root only. Installs Debian's packages if missing. The node has one GPU declared in gres.conf
-# (File=/dev/null: Slurm drops a count-only GPU), so GPU jobs queue one at a time like on a card.
+# Root only. Installs Debian's packages if missing. The node has QS_SLURM_GPUS GPUs (default 4)
+# declared in gres.conf, each a device file (a copy of /dev/null: Slurm drops a count-only GPU),
+# so Slurm hands each GPU job a card of its own and queues the rest, as on a GPU node.
 # No accounting daemon: the plugin polls with squeue, so MinJobAge is kept far above the
 # status-check interval, and every finished job is written by jobcomp/filetxt to $STATE/jobcomp.log.
-# Usage: start_test_cluster.sh  (env: QS_SLURM_PARTITION, QS_SLURM_GPU_MODEL, QS_SLURM_STATE)
+# Usage: start_test_cluster.sh  (env: QS_SLURM_PARTITION, QS_SLURM_GPU_MODEL, QS_SLURM_GPUS, QS_SLURM_STATE)
 set -euo pipefail
 PARTITION=${QS_SLURM_PARTITION:-test}
 GPU_MODEL=${QS_SLURM_GPU_MODEL:-testgpu}
+GPUS=${QS_SLURM_GPUS:-4}
 STATE=${QS_SLURM_STATE:-/var/tmp/quantstudy-slurm}
 CONF=/etc/slurm/slurm.conf   # the job step drops SLURM_CONF, so only the default path works
 MARK="# quantstudy test cluster"
@@ -25,11 +27,13 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
 fi
 "$(dirname "$0")/stop_test_cluster.sh" >/dev/null 2>&1 || true   # a clean slate each time
 
-mkdir -p "$STATE"/{ctld,slurmd} /etc/slurm /run/munge
-rm -f "$STATE/jobcomp.log"          # this cluster's record only
-# The node is declared at the size of one GPU's share of a B200/B300 node, so that the
-# profiles' per-rule CPU and memory requests are satisfiable; nothing enforces them here
-# (no cgroups), and config_overrides stops slurmd from draining the node for "low" resources.
+mkdir -p "$STATE"/{ctld,slurmd,dev} /etc/slurm /run/munge
+rm -f "$STATE/jobcomp.log" "$STATE"/dev/gpu*   # this cluster's record and cards only
+for i in $(seq 0 $((GPUS - 1))); do mknod -m 666 "$STATE/dev/gpu$i" c 1 3; done   # char 1,3 = /dev/null
+# The node is declared at GPUS times one GPU's share of a B200/B300 node (16 CPUs, 192 GiB),
+# so that the profiles' per-rule CPU and memory requests are satisfiable; nothing enforces
+# them here (no cgroups), and config_overrides stops slurmd from draining the node for "low"
+# resources.
 cat >"$CONF" <<CONF
 $MARK (written by scripts/slurm/start_test_cluster.sh; removed by stop_test_cluster.sh)
 ClusterName=quantstudy-test
@@ -61,12 +65,12 @@ MailProg=/bin/true
 DefMemPerCPU=1024
 JobCompType=jobcomp/filetxt
 JobCompLoc=$STATE/jobcomp.log
-NodeName=$NODE CPUs=16 RealMemory=196608 Gres=gpu:$GPU_MODEL:1 State=UNKNOWN
+NodeName=$NODE CPUs=$((16 * GPUS)) RealMemory=$((196608 * GPUS)) Gres=gpu:$GPU_MODEL:$GPUS State=UNKNOWN
 PartitionName=$PARTITION Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
 CONF
 cat >/etc/slurm/gres.conf <<CONF
 $MARK
-NodeName=$NODE Name=gpu Type=$GPU_MODEL File=/dev/null
+NodeName=$NODE Name=gpu Type=$GPU_MODEL File=$STATE/dev/gpu[0-$((GPUS - 1))]
 CONF
 
 if ! pgrep -x munged >/dev/null; then

@@ -261,28 +261,30 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
         if name not in variants:
             problems.append(f"{role} names unknown variant {name!r}; variants: {', '.join(variants)}")
 
-    if against_code and not problems:
-        problems += _problems_against_code(doc, models, variants)
+    if against_code:  # layers only once the rest is sound (a model may be missing)
+        problems += _problems_against_code(doc, models, variants, match_layers=not problems)
     if problems:
         raise ConfigError(f"invalid study ({where}):\n" + "\n".join(f"  {p}" for p in problems))
     return Study(doc["study"], doc["family"], models, settings, datasets, variants, doc)
 
 
-def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], variants: dict[str, Variant]) -> list[str]:
+def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], variants: dict[str, Variant],
+                           match_layers: bool) -> list[str]:
     """The names a study gives the code: its family, its transforms, the layers its patterns match."""
     from quantstudy import families, quantization  # deferred: these import torch
 
-    if doc["family"] not in families.names():
-        return [f"unknown family {doc['family']!r}; registered families: {', '.join(families.names())}"]
     problems = [f"variant {v.name!r} names unknown transform {t!r}; "
                 f"known transforms: {', '.join(sorted(quantization.TRANSFORMS))}"
                 for v in variants.values() for t, _ in v.transforms if t not in quantization.TRANSFORMS]
+    if doc["family"] not in families.names():
+        return [f"unknown family {doc['family']!r}; registered families: {', '.join(families.names())}", *problems]
+    if problems or not match_layers:
+        return problems
     family = families.get(doc["family"])
+    patterns = list(doc["recipe"]["quantize"]) + [p for v in variants.values() for t, params in v.transforms
+                                                  if t == "fp8" for p in params.get("include", [])]
     for model in models.values():
         layers = family.linear_layer_names(model.architecture)
-        patterns = list(doc["recipe"]["quantize"])
-        for v in variants.values():
-            patterns += [p for t, params in v.transforms if t == "fp8" for p in params.get("include", [])]
         for pattern in patterns:
             if not fnmatch.filter(layers, pattern):
                 problems.append(f"recipe pattern {pattern!r} matches no layer of {model.name} "

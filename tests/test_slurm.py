@@ -254,17 +254,14 @@ def test_dag_through_slurm(slurm_cluster, tmp_path):
             assert (r.get("TresPerJob") == f"gres:gpu:{GPU_MODEL}:1") == (rule in gpus), r
         assert (f"--gpus={GPU_MODEL}:1" in sbatch[rule]) == (rule in gpus), sbatch[rule]
 
-    # One GPU job per card: jobs that ran at the same time had different cards.
-    card = {r["JobId"]: gpu_of(on_slurm, r["JobId"]) for rs in per_rule.values() for r in rs
-            if r.get("TresPerJob")}
-    gpu_jobs = sorted((r for rs in per_rule.values() for r in rs if r["JobId"] in card),
-                      key=lambda r: r["StartTime"])
-    for i, a in enumerate(gpu_jobs):
-        for b in gpu_jobs[i + 1:]:
-            if b["StartTime"] >= a["EndTime"]:
-                continue
-            assert card[a["JobId"]] != card[b["JobId"]], (a, b)
-    assert len(set(card.values())) > 1, "the GPU jobs never ran side by side"
+    # One GPU job per card: GPU jobs that ran at the same time had different cards.
+    gpu_jobs = sorted((r for r in records if r.get("TresPerJob")), key=lambda r: r["StartTime"])
+    card = {r["JobId"]: gpu_of(on_slurm, r["JobId"]) for r in gpu_jobs}
+    side_by_side = [(a, b) for i, a in enumerate(gpu_jobs) for b in gpu_jobs[i + 1:]
+                    if b["StartTime"] < a["EndTime"]]
+    assert side_by_side, "the GPU jobs never ran side by side"
+    for a, b in side_by_side:
+        assert card[a["JobId"]] != card[b["JobId"]], (a, b)
 
     # Same results as the local run, less provenance and measured times.
     assert results(on_slurm) == results(local)

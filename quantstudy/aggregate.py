@@ -2,12 +2,16 @@
 
 Reads every per-variant JSON the workflow wrote; writes tables.json, the render's only input.
 Each row keeps the path of the JSON it came from, so a rendered number can be traced back.
+Nothing here knows a family: a family's metric blocks become columns named `block.metric`,
+and the decision rule is a list of conditions over those columns (config `decision`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import math
+import operator
+from typing import Any, Callable, Iterable
 
 import pandas as pd
 
@@ -16,43 +20,56 @@ from quantstudy.render import value_range
 
 log = logging.getLogger("quantstudy")
 
+IDENT = ("target", "model", "setting", "variant", "status")
 
-def _rows(paths: list[str], kind: str, flatten) -> pd.DataFrame:
+
+def flatten(blocks: dict[str, dict[str, Any]], prefix: str = "") -> dict[str, Any]:
+    """{block: {metric: v}} -> {"block.metric": v} (numbers, strings and None; lists are left out)."""
+    return {f"{prefix}{block}.{metric}": v for block, metrics in blocks.items() for metric, v in metrics.items()
+            if not isinstance(v, (list, dict))}
+
+
+def _error(doc: dict[str, Any]) -> str | None:
+    lines = (doc.get("error") or "").strip().splitlines()
+    return lines[-1] if lines else None  # a traceback's last line names the error
+
+
+def _rows(paths: list[str], kind: str, flatten_doc: Callable[[dict], Iterable[dict]]) -> pd.DataFrame:
+    """One or more rows per JSON (a row per graph where the JSON has graphs); a failed JSON is one row."""
     rows = []
     for path in paths:
         doc = read_json(path, kind)
-        row = {k: doc.get(k) for k in ("target", "model", "setting", "variant", "status")}
-        lines = (doc.get("error") or "").strip().splitlines()
-        row["error"] = lines[-1] if lines else None  # a traceback's last line names the error
+        base = {k: doc.get(k) for k in IDENT} | {"error": _error(doc), "source": path}
         if doc.get("status", "ok") == "ok":
-            row.update(flatten(doc))
-        row["source"] = path
-        rows.append(row)
+            rows += [base | r for r in flatten_doc(doc)]
+        else:
+            rows.append(base)
     return pd.DataFrame(rows)
 
 
-def _speed(doc: dict[str, Any]) -> dict[str, Any]:
-    return {"baseline": doc["baseline"], "variant_ms": doc["variant_ms"]["median_ms"],
-            "variant_spread": doc["variant_ms"]["spread"], "baseline_ms": doc["baseline_ms"]["median_ms"],
-            "x": doc["x"], "x_min": doc["x_min"], "x_max": doc["x_max"], "batch": doc["batch"], "window": doc["window"]}
+def _speed(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
+    for graph, g in doc["graphs"].items():
+        yield {"graph": graph, "baseline": doc["baseline"], "batch": doc["batch"], **doc["shape"],
+               "variant_ms": g["variant_ms"]["median_ms"], "variant_spread": g["variant_ms"]["spread"],
+               "baseline_ms": g["baseline_ms"]["median_ms"], "x": g["x"], "x_min": g["x_min"], "x_max": g["x_max"]}
 
 
-def _quality(doc: dict[str, Any]) -> dict[str, Any]:
-    m, c, bar, nf = doc["mlm"], doc["cls"], doc["quality_bar"], doc["nonfinite"]
-    return {"window": doc["window"], "kl_mean": m["kl_mean"], "kl_p99": m["kl_p99"], "top1": m["top1_agreement"],
-            "cos_mean": c["cosine_mean"], "cos_min": c["cosine_min"], "cls_rel_err": c["relative_error"],
-            "sts_spearman": doc["sts_spearman"], "bar_passed": bar["passed"], "bar_sentences": bar["sentences"],
-            "nonfinite": nf["total_bad"], "nonfinite_heldout": nf["heldout"]["bad"], "heldout": nf["heldout"]["of"],
-            "nonfinite_detail": {k: v for k, v in nf.items() if isinstance(v, dict)}}
+def _quality(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
+    nf = doc["nonfinite"]
+    sets = {k: v for k, v in nf.items() if isinstance(v, dict)}
+    yield {**flatten(doc["blocks"]), "nonfinite": nf["total_bad"],
+           **{f"nonfinite.{k}": v["bad"] for k, v in sets.items()}, **{f"nonfinite.{k}.of": v["of"] for k, v in sets.items()},
+           "nonfinite_detail": sets}
 
 
-def _build(doc: dict[str, Any]) -> dict[str, Any]:
-    return {"engine_bytes": doc.get("engine_bytes"), "fp8_layers": len(doc.get("fp8_layers") or []),
-            "hidden_scale": doc.get("hidden_scale")}
+def _build(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
+    yield {"engine_bytes": doc.get("engine_bytes"), "fp8_layers": len(doc.get("fp8_layers") or []),
+           "precision": doc.get("precision"), "dequantize_dtype": doc.get("dequantize_dtype")}
 
 
-def _kernels(doc: dict[str, Any]) -> dict[str, Any]:
-    return {"groups_ms": doc["groups_ms"], "total_ms": doc["total_ms"], "group_order": doc["groups"]}
+def _kernels(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
+    for graph, g in doc["graphs"].items():
+        yield {"graph": graph, "groups_ms": g["groups_ms"], "total_ms": g["total_ms"]}
 
 
 def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
@@ -60,69 +77,94 @@ def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
             for r in frame.to_dict("records")]
 
 
-def decide(study: dict[str, Any], speed: pd.DataFrame, quality: pd.DataFrame) -> dict[str, Any]:
-    """Apply the study's decision rule to the candidate variant's rows; every condition is shown."""
-    rule, cand = study["decision"], study["candidate"]
-    s = speed[(speed.variant == cand)]
-    q = quality[(quality.variant == cand)]
-    b1 = s[s.batch == 1] if "batch" in s else s.iloc[0:0]
-    failed = pd.concat([s[s.status != "ok"], q[q.status != "ok"]])
-    conditions = []
+COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq}
+REDUCE = {"min": min, "max": max, "sum": sum, "mean": lambda v: sum(v) / len(v)}
 
-    def cond(name, observed, threshold, ok, note=""):
-        conditions.append({"name": name, "observed": observed, "threshold": threshold, "pass": bool(ok), "note": note})
 
-    xs = value_range(b1.x) if len(b1) else None
-    cond("speedup at batch 1 (every row)", xs, rule["min_speedup_batch1"],
-         xs is not None and xs["min"] >= rule["min_speedup_batch1"])
-    top1 = value_range(q.top1) if len(q) else None
-    cond("masked-LM top-1 agreement (every row)", top1, rule["min_mlm_top1_agreement"],
-         top1 is not None and top1["min"] >= rule["min_mlm_top1_agreement"])
-    bar_failures = int((q.bar_sentences - q.bar_passed).sum()) if "bar_passed" in q and len(q) else None
-    cond("quality-bar failures (CLS relative L2)", bar_failures, rule["max_quality_bar_failures"],
-         bar_failures is not None and bar_failures <= rule["max_quality_bar_failures"])
-    nonfinite = int(q.nonfinite.sum()) if "nonfinite" in q and len(q) else None
-    cond("non-finite outputs", nonfinite, 0 if not rule["allow_nonfinite"] else None,
-         nonfinite is not None and (rule["allow_nonfinite"] or nonfinite == 0))
-    if len(failed):
-        cond("every measurement of the candidate succeeded", len(failed), 0, False,
-             "failed: " + ", ".join(sorted(set(failed.source))))
+def _missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def condition(spec: dict[str, Any], rows: pd.DataFrame) -> dict[str, Any]:
+    """One decision condition over the candidate's rows of a table: reduce a column, compare.
+
+    A condition with no rows, or with a row whose value is missing (not measured, NaN), is not
+    met: a rule cannot pass on what was not measured. For min and max the observed value shown
+    is the range over all rows; for sum and mean the reduced number.
+    """
+    for key, value in (spec.get("rows") or {}).items():
+        rows = rows[rows[key] == value] if key in rows else rows.iloc[0:0]
+    rows = rows[rows.status == "ok"] if "status" in rows else rows
+    column = spec["column"]
+    values = list(rows[column]) if column in rows and len(rows) else []
+    missing = sum(map(_missing, values))
+    present = [v for v in values if not _missing(v)]
+    reduced = REDUCE[spec["reduce"]](present) if present else None
+    if spec["reduce"] in ("min", "max"):
+        observed = value_range(present)
+    else:
+        observed = None if reduced is None else (int(reduced) if float(reduced).is_integer() else reduced)
+    met = reduced is not None and not missing and COMPARE[spec["compare"]](reduced, spec["threshold"])
+    note = f"{missing} of {len(values)} rows not measured" if missing else ("no rows" if not values else "")
+    threshold = spec["threshold"]
+    return {"name": spec["name"], "column": column, "reduce": spec["reduce"], "compare": spec["compare"],
+            "observed": observed, "threshold": int(threshold) if float(threshold).is_integer() else threshold,
+            "pass": bool(met), "note": note}
+
+
+def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
+    """Apply the study's decision rule to the candidate variant's rows; every condition is shown.
+
+    Beyond the study's conditions, every measurement of the candidate must have succeeded.
+    """
+    cand = study["candidate"]
+    mine = {name: frame[frame.variant == cand] if "variant" in frame else frame for name, frame in tables.items()}
+    conditions = [condition(c, mine[c["table"]]) for c in study["decision"]["conditions"]]
+    failed = [src for f in mine.values() if "status" in f for src in f[f.status != "ok"].source]
+    if failed:
+        conditions.append({"name": "every measurement of the candidate succeeded", "observed": len(failed),
+                           "threshold": 0, "pass": False, "note": "failed: " + ", ".join(sorted(set(failed)))})
     return {"candidate": cand, "ship": all(c["pass"] for c in conditions), "conditions": conditions}
 
 
-def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], run: dict[str, Any],
+def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[str, str], run: dict[str, Any],
               targets: dict[str, dict[str, Any]], out: str) -> None:
     started = now()
     speed = _rows(inputs["timings"], "timing", _speed)
     quality = _rows(inputs["qualities"], "quality", _quality)
     builds = _rows(inputs["builds"], "build", _build)
+    kernel_docs = [read_json(p, "kernels") for p in inputs["kernels"]]
     kernels = _rows(inputs["kernels"], "kernels", _kernels)
-    references = [read_json(p, "reference") | {"source": p} for p in inputs["references"]]
+    settings = {name: {k: v for k, v in s.items() if k not in ("batch", "quality")}
+                for name, s in study["settings"].items()}
+    references = [{"model": r["model"], "setting": r["setting"], **settings[r["setting"]], **flatten(r["blocks"]),
+                   "source": p} for p, r in ((p, read_json(p, "reference")) for p in inputs["references"])]
     amax = [read_json(p, "amax") | {"source": p} for p in inputs["amax"]]
     checkpoints = [read_json(p, "checkpoint") | {"source": p} for p in inputs["checkpoints"]]
     for frame in (speed, quality, builds, kernels):
         frame["gpu"] = frame.target.map(lambda t: targets[t].get("gpu", "cpu"))
         frame["backend"] = frame.target.map(lambda t: targets[t]["backend"])
+        frame["batch"] = frame.setting.map(lambda s: study["settings"][s]["batch"])
+        for key in {k for s in settings.values() for k in s}:
+            frame[key] = frame.setting.map(lambda s: settings[s].get(key))
+    # The reference's own metrics beside each variant's (e.g. the fp32 model's STS Spearman).
+    by_ref = {(r["model"], r["setting"]): r for r in references}
+    for col in sorted({k for r in references for k in r if "." in k}):
+        quality[f"reference.{col}"] = [by_ref.get((m, s), {}).get(col) for m, s in zip(quality.model, quality.setting)]
     log.info("%d timing, %d quality, %d build, %d kernel rows", len(speed), len(quality), len(builds), len(kernels))
-
-    known_issue = [{"model": r["model"], "setting": r["setting"], "window": r["window"],
-                    "peak": r["mixing_peak"]["max"], "fp16_max": r["mixing_peak"]["fp16_max"],
-                    "passages_over": r["mixing_peak"]["passages_over_fp16_max"],
-                    "passages": len(r["mixing_peak"]["per_passage"]), "source": r["source"]} for r in references]
-    reference_sts = {(r["model"], r["setting"]): r["sts_spearman"] for r in references}
-    quality["reference_sts_spearman"] = [reference_sts.get((m, s)) for m, s in zip(quality.model, quality.setting)]
-    calibration = [{"model": a["model"], "window": a["window"], "layers": len(a["recipe_layers"]),
+    calibration = [{"model": a["model"], "setting": a["setting"], **a["shape"], "layers": len(a["recipe_layers"]),
                     "largest_ratio": a["outliers"]["largest_ratio"], "outliers": a["outliers"]["layers"],
-                    "ratio": a["outliers"]["ratio"], "passages": a["calibration"]["passages"], "source": a["source"]}
+                    "ratio": a["outliers"]["ratio"], "samples": a["calibration"]["samples"], "source": a["source"]}
                    for a in amax]
     write_json(out, "tables", {
         "study": study["study"], "title": study["title"], "family": study["family"],
-        "description": study.get("description", ""), "run": run, "targets": targets,
-        "spec": {k: study[k] for k in ("models", "settings", "datasets", "samples", "recipe", "variants", "baseline",
-                                       "candidate", "timing", "metrics", "decision")},
+        "description": study.get("description", ""), "run": run, "targets": targets, "baselines": baselines,
+        "kernel_groups": next((d["groups"] for d in kernel_docs if d["status"] == "ok"), []),
+        "spec": {k: study[k] for k in ("models", "settings", "datasets", "samples", "evaluation_samples", "recipe",
+                                       "variants", "baseline", "candidate", "timing", "metrics", "decision")},
         "checkpoints": [{k: c[k] for k in ("repo", "revision", "weights", "source")} for c in checkpoints],
         "speed": _records(speed), "quality": _records(quality), "builds": _records(builds),
-        "kernels": _records(kernels), "known_issue": known_issue, "calibration": calibration,
-        "decision": decide(study, speed, quality),
+        "kernels": _records(kernels), "references": references, "calibration": calibration,
+        "decision": decide(study, {"speed": speed, "quality": quality}),
         "provenance": provenance("aggregate", {f"{k}[{i}]": p for k, v in inputs.items() for i, p in enumerate(v)},
                                  {"study": study["study"], "run": run}, started)})

@@ -18,7 +18,8 @@ from typing import Any
 import jsonschema
 
 SCHEMA_DIR = Path(__file__).parent / "schemas"
-SCHEMA_VERSION = 1
+# 2: the family contract (named graphs, metric blocks, settings with shapes, data-driven decisions).
+SCHEMA_VERSION = 2
 _SOFTWARE = ("torch", "transformers", "nvidia-modelopt", "onnx", "onnxruntime", "tensorrt",
              "huggingface_hub", "datasets", "numpy", "pandas", "snakemake")
 
@@ -145,6 +146,9 @@ def read_json(path: str | Path, kind: str | None = None) -> dict[str, Any]:
     if kind is not None:
         if doc.get("schema") != kind:
             raise ValueError(f"{path} holds a {doc.get('schema')!r} artifact, expected {kind!r}")
+        if doc.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"{path} is a {kind} artifact of schema version {doc.get('schema_version')}, this code "
+                             f"reads version {SCHEMA_VERSION}: rerun the job that wrote it")
         jsonschema.validate(doc, load_schema(kind))
     return doc
 

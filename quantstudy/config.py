@@ -17,6 +17,8 @@ from typing import Any
 import jsonschema
 import yaml
 
+from quantstudy.families.base import Setting
+
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMAS = ROOT / "config" / "schemas"
 ARCHITECTURES = ROOT / "config" / "architectures"
@@ -28,14 +30,6 @@ TINY_GENERATOR_VERSION = 1
 
 class ConfigError(ValueError):
     """A configuration problem, worded for the person who wrote the config."""
-
-
-@dataclass(frozen=True)
-class Setting:
-    name: str
-    window: int
-    batch: int
-    quality: bool = True
 
 
 @dataclass(frozen=True)
@@ -64,15 +58,19 @@ class Variant:
     precision: str
     transforms: tuple[tuple[str, dict[str, Any]], ...] = ()
 
-    def transforms_at(self, window: int) -> list[tuple[str, dict[str, Any]]]:
-        """The transforms that apply at this window (a transform may name the windows it is for)."""
-        return [(name, params) for name, params in self.transforms
-                if "windows" not in params or window in params["windows"]]
+    def transforms_at(self, setting: Setting) -> list[tuple[str, dict[str, Any]]]:
+        """The transforms that apply at this setting: `when: {window: [512]}` limits a transform
+        to the settings whose shape has one of those values."""
+        return [(name, {k: v for k, v in params.items() if k != "when"}) for name, params in self.transforms
+                if all(setting.shape.get(k) in values for k, values in params.get("when", {}).items())]
 
-    def spec(self, window: int) -> dict[str, Any]:
-        """What the build of this variant at this window depends on: a rule's params."""
+    def spec(self, setting: Setting) -> dict[str, Any]:
+        """What the build of this variant at this setting depends on: a rule's params."""
         return {"precision": self.precision,
-                "transforms": [{name: params} for name, params in self.transforms_at(window)]}
+                "transforms": [{name: params} for name, params in self.transforms_at(setting)]}
+
+    def has_fp8(self, setting: Setting) -> bool:
+        return any(name == "fp8" for name, _ in self.transforms_at(setting))
 
 
 @dataclass(frozen=True)
@@ -97,6 +95,9 @@ class Study:
     variants: dict[str, Variant]
     raw: dict[str, Any]
 
+    # target -> {"settings": [...], "variants": [...]} (a missing key: all); empty: every target, all of it
+    targets: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+
     @property
     def recipe(self) -> dict[str, Any]:
         return self.raw["recipe"]
@@ -105,9 +106,12 @@ class Study:
         return self.settings[name]
 
     def baseline(self, setting: str) -> str:
-        """The variant this setting's speed-ups are measured against."""
+        """The variant this setting's speed-ups are measured against (the one place this is decided)."""
         base = self.raw["baseline"]
-        return base.get("by_window", {}).get(self.settings[setting].window, base["default"])
+        return base.get("by_setting", {}).get(setting, base["default"])
+
+    def baselines(self) -> dict[str, str]:
+        return {s: self.baseline(s) for s in self.settings}
 
     def local_hub_specs(self) -> dict[str, list[dict[str, Any]]]:
         """What the local_hub rule generates: the models and datasets that have a tiny spec."""
@@ -122,15 +126,26 @@ class Study:
                 if not quality_only or self.settings[s].quality:
                     yield model.name, s
 
-    def windows(self, model: str) -> list[int]:
-        return sorted({self.settings[s].window for s in self.models[model].settings})
+    def engines(self, run_targets, quality_only: bool = False):
+        """(target, model, setting, variant) of every engine the study measures on the run's targets."""
+        for t in run_targets:
+            if self.targets and t not in self.targets:
+                continue
+            only = self.targets.get(t) or {}
+            for m, s in self.model_settings(quality_only):
+                if s in only.get("settings", [s]):
+                    for v in self.variants:
+                        if v in only.get("variants", [v]):
+                            yield t, m, s, v
 
-    def setting_for_window(self, model: str, window: int) -> str:
-        """The batch-1 quality setting of a window, whose reference and calibration others share."""
-        for s in self.models[model].settings:
-            if self.settings[s].window == window and self.settings[s].quality:
-                return s
-        raise ConfigError(f"model {model!r} has no quality setting at window {window}")
+    def calibration_setting(self, model: str, setting: str) -> str:
+        """The setting whose amax file this one uses: the model's first quality setting that agrees
+        on the shape keys calibration depends on (`calibrate_by`, default all of them; never the
+        batch). GPT-Neo calibrates by prefill alone, a shared dynamic engine by none."""
+        return _calibration_setting(self.raw, model, setting, self.settings, self.models[model].settings)
+
+    def calibration_settings(self, model: str) -> list[str]:
+        return sorted({self.calibration_setting(model, s) for s in self.models[model].settings})
 
 
 @dataclass(frozen=True)
@@ -223,7 +238,8 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
 
 def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
     problems: list[str] = []
-    settings = {n: Setting(n, s["window"], s["batch"], s.get("quality", True)) for n, s in doc["settings"].items()}
+    settings = {n: Setting(n, s["batch"], {k: v for k, v in s.items() if k not in ("batch", "quality")},
+                           s.get("quality", True)) for n, s in doc["settings"].items()}
     models = {}
     for name, m in doc["models"].items():
         try:
@@ -249,42 +265,76 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
             problems.append(f"samples {name!r} name unknown dataset {s['dataset']!r}")
         elif s["split"] not in datasets[s["dataset"]].files:
             problems.append(f"samples {name!r}: dataset {s['dataset']!r} has no split {s['split']!r}")
-    if doc["recipe"]["activation_calibration"]["samples"] not in doc["samples"]:
-        problems.append("recipe.activation_calibration.samples names no entry of samples")
+    for role, name in [("recipe.activation_calibration.samples", doc["recipe"]["activation_calibration"]["samples"]),
+                       *[("evaluation_samples", n) for n in doc["evaluation_samples"]]]:
+        if name not in doc["samples"]:
+            problems.append(f"{role} names {name!r}, no entry of samples; samples: {', '.join(doc['samples'])}")
 
     variants = {}
     for name, v in doc["variants"].items():
         transforms = tuple((next(iter(t)), dict(next(iter(t.values())) or {})) for t in v.get("transforms", []))
         variants[name] = Variant(name, v["precision"], transforms)
     for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),
-                       *[(f"baseline.by_window.{w}", n) for w, n in doc["baseline"].get("by_window", {}).items()]]:
+                       *[(f"baseline.by_setting.{s}", n) for s, n in doc["baseline"].get("by_setting", {}).items()]]:
         if name not in variants:
             problems.append(f"{role} names unknown variant {name!r}; variants: {', '.join(variants)}")
+    for target, only in (doc.get("targets") or {}).items():
+        for s in (only or {}).get("settings", []):
+            if s not in settings:
+                problems.append(f"targets.{target}.settings names unknown setting {s!r}")
+        kept = set((only or {}).get("variants", variants))
+        for v in kept - set(variants):
+            problems.append(f"targets.{target}.variants names unknown variant {v!r}")
+        for s in (only or {}).get("settings", settings):
+            base = doc["baseline"].get("by_setting", {}).get(s, doc["baseline"]["default"])
+            if s in settings and base not in kept:
+                problems.append(f"targets.{target}.variants leaves out {base!r}, the baseline of setting {s!r}")
+    for name in doc["baseline"].get("by_setting", {}):
+        if name not in settings:
+            problems.append(f"baseline.by_setting names unknown setting {name!r}; settings: {', '.join(settings)}")
+    for model in models.values():
+        for s in model.settings:
+            if s in settings and _calibration_setting(doc, model.name, s, settings, model.settings) is None:
+                problems.append(f"model {model.name!r}: setting {s!r} has no quality setting of its shape "
+                                f"(by {doc.get('calibrate_by', 'every shape key')}) to calibrate at")
 
     if against_code:  # layers only once the rest is sound (a model may be missing)
-        problems += _problems_against_code(doc, models, variants, match_layers=not problems)
+        problems += _problems_against_code(doc, models, variants, settings, match_layers=not problems)
     if problems:
         raise ConfigError(f"invalid study ({where}):\n" + "\n".join(f"  {p}" for p in problems))
-    return Study(doc["study"], doc["family"], models, settings, datasets, variants, doc)
+    return Study(doc["study"], doc["family"], models, settings, datasets, variants, doc,
+                 {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()})
+
+
+def _calibration_setting(doc: dict[str, Any], model: str, setting: str, settings: dict[str, Setting],
+                         model_settings) -> str | None:
+    shape = settings[setting].shape
+    keys = doc.get("calibrate_by", list(shape))
+    for s in model_settings:
+        if s in settings and settings[s].quality and all(settings[s].shape.get(k) == shape.get(k) for k in keys):
+            return s
+    return None
 
 
 def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], variants: dict[str, Variant],
-                           match_layers: bool) -> list[str]:
-    """The names a study gives the code: its family, its transforms, the layers its patterns match."""
+                           settings: dict[str, Setting], match_layers: bool) -> list[str]:
+    """The names a study gives the code: its family, its settings' shapes, its transforms, the
+    layers its patterns match."""
     from quantstudy import families, quantization  # deferred: these import torch
 
-    problems = [f"variant {v.name!r} names unknown transform {t!r}; "
-                f"known transforms: {', '.join(sorted(quantization.TRANSFORMS))}"
-                for v in variants.values() for t, _ in v.transforms if t not in quantization.TRANSFORMS]
     if doc["family"] not in families.names():
-        return [f"unknown family {doc['family']!r}; registered families: {', '.join(families.names())}", *problems]
+        return [f"unknown family {doc['family']!r}; registered families: {', '.join(families.names())}"]
+    family = families.get(doc["family"])
+    known = quantization.transform_names(family.transforms())
+    problems = [f"variant {v.name!r} names unknown transform {t!r}; known transforms: {', '.join(sorted(known))}"
+                for v in variants.values() for t, _ in v.transforms if t not in known]
+    problems += [p for s in settings.values() for p in family.check_setting(s)]
     if problems or not match_layers:
         return problems
-    family = families.get(doc["family"])
     patterns = list(doc["recipe"]["quantize"]) + [p for v in variants.values() for t, params in v.transforms
                                                   if t == "fp8" for p in params.get("include", [])]
     for model in models.values():
-        layers = family.linear_layer_names(model.architecture)
+        layers = family.quantizable_layers(model.architecture)
         for pattern in patterns:
             if not fnmatch.filter(layers, pattern):
                 problems.append(f"recipe pattern {pattern!r} matches no layer of {model.name} "
@@ -300,6 +350,10 @@ def load_run(config: dict[str, Any], against_code: bool = True) -> Run:
         study = load_study(entry["spec"], entry.get("overrides"), against_code)
         if study.name != name:
             raise ConfigError(f"config names study {name!r} but {entry['spec']} is study {study.name!r}")
+        unknown = sorted(set(study.targets) - set(config["targets"]))
+        if unknown:
+            raise ConfigError(f"study {name!r} names targets {unknown} that the run does not define; "
+                              f"run targets: {', '.join(config['targets'])}")
         studies[name] = study
     targets = {n: Target(n, **t) for n, t in config["targets"].items()}
     r = config["run"]

@@ -1,6 +1,7 @@
 """ONNX export of a variant: the graph ONNX Runtime and TensorRT get.
 
-One ONNX per variant, at the setting's static shape [batch, window]:
+One ONNX per graph of a variant, with the graph's named inputs and outputs, and dynamic sizes
+where the graph declares them:
   fp32, fp16  the variant module as it is (fp16 keeps fp32 where the family computes in fp32,
               e.g. FNet's sequence-axis DFT), exported with torch.onnx.export(dynamo=True);
   FP8         every FP8Linear becomes explicit Q/DQ, as the write-ups build it:
@@ -25,7 +26,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -35,7 +36,6 @@ from quantstudy import quantization
 
 OPSET = 21  # float8e4m3fn Q/DQ needs >= 19; ONNX Runtime CPU runs it at 19 and 21
 ONNX_FILE = "model.onnx"
-INPUT_NAME, OUTPUT_NAME = "input_ids", "features"
 ZERO_POINT = "fp8_zero_point"
 # Protobuf caps a single file at 2 GiB: larger models keep their weights in an external file.
 EXTERNAL_DATA_BYTES = 1_500_000_000
@@ -87,6 +87,8 @@ class QDQLinear(nn.Module):
 
     The FP8 weight is stored transposed ([in, out]): the exporter then needs no Transpose
     between the weight's DequantizeLinear and the MatMul (per-tensor scales commute with it).
+    Calls the variant keeps out of FP8 (`exclude_calls`) keep the FP8Linear's `work_precision`
+    child: a plain MatMul on the work-precision weight, without Q/DQ.
     """
 
     def __init__(self, fp8: quantization.FP8Linear):
@@ -96,6 +98,8 @@ class QDQLinear(nn.Module):
         self.register_buffer("weight_scale", fp8.weight_scale.to(dq))  # exact: already rounded to dq
         self.register_buffer("input_scale", fp8.input_scale.to(dq))
         self.register_buffer("bias", None if fp8.bias is None else fp8.bias.detach().to(dq))
+        self.call_sites, self.unquantized_calls = fp8.call_sites, fp8.unquantized_calls
+        self.work_precision = fp8.work_precision
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Fake-quant divides in fp32, exactly; QuantizeLinear takes input and scale in one type.
@@ -149,10 +153,27 @@ def _name_nodes(graph, fp8_layers: set[str]) -> None:
         node.name = base if used[base] == 1 else f"{base}_{used[base] - 1}"
 
 
-def export(model: nn.Module, example_ids: torch.Tensor, out_dir: str | Path, opset: int = OPSET) -> dict[str, Any]:
-    """Export a variant module to `out_dir/model.onnx` (atomically); return what the graph holds.
+def _dynamic_shapes(inputs: dict[str, torch.Tensor], dynamic: Mapping[str, Mapping[int, Any]] | None):
+    """torch.export's dynamic_shapes for the inputs: a Dim per declared dynamic axis, None elsewhere."""
+    if not dynamic:
+        return None
+    dims: dict[str, Any] = {}
 
-    FP8Linear layers become Q/DQ (the module is changed in place: pass a fresh variant).
+    def dim(d):  # one torch Dim per name: axes that share a name share a size
+        if d.name not in dims:
+            dims[d.name] = torch.export.Dim(d.name, min=d.min, max=d.max)
+        return dims[d.name]
+    return {name: ({axis: dim(d) for axis, d in dynamic[name].items()} if dynamic.get(name) else None)
+            for name in inputs}
+
+
+def export(model: nn.Module, inputs: dict[str, torch.Tensor], out_dir: str | Path, opset: int = OPSET,
+           dynamic: Mapping[str, Mapping[int, Any]] | None = None) -> dict[str, Any]:
+    """Export a graph module (`forward(**inputs) -> {name: tensor}`) to `out_dir/model.onnx`, atomically.
+
+    The ONNX inputs and outputs carry the module's names; `dynamic` maps an input name to its
+    dynamic axes ({axis: base.Dim}). FP8Linear layers become Q/DQ (the module is changed in
+    place: pass a fresh variant). Returns what the graph holds.
     """
     import onnx
 
@@ -163,8 +184,10 @@ def export(model: nn.Module, example_ids: torch.Tensor, out_dir: str | Path, ops
     fp8_layers = to_qdq(model)
     model.eval()
     with torch.no_grad():
-        program = torch.onnx.export(model, (example_ids,), dynamo=True, opset_version=opset,
-                                    input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+        output_names = list(model(**inputs))  # the dict's order is the flattened outputs' order
+        program = torch.onnx.export(model, (), kwargs=inputs, dynamo=True, opset_version=opset,
+                                    input_names=list(inputs), output_names=output_names,
+                                    dynamic_shapes=_dynamic_shapes(inputs, dynamic),
                                     custom_translation_table=_translations(opset), verbose=False)
     _name_nodes(program.model.graph, set(fp8_layers))
     size = sum(v.const_value.nbytes for v in program.model.graph.initializers.values() if v.const_value is not None)
@@ -189,9 +212,14 @@ def describe(path: str | Path) -> dict[str, Any]:
     dtype = lambda t: onnx.helper.tensor_dtype_to_np_dtype(t).name if t != onnx.TensorProto.FLOAT8E4M3FN \
         else "float8_e4m3fn"
     io = lambda v: {"name": v.name, "dtype": dtype(v.type.tensor_type.elem_type),
-                    "shape": [d.dim_value for d in v.type.tensor_type.shape.dim]}
-    layers = sorted({n.name.split(".input_quantizer/")[0] for n in g.node
-                     if n.op_type == "QuantizeLinear" and ".input_quantizer/" in n.name})
+                    "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]}
+    # An FP8 layer is a GEMM whose two operands are dequantized (activation and weight): counted by
+    # the graph's structure, not by quantizer names, which the exporter's optimizer may merge
+    # (q, k and v of one activation share one Quantize / Dequantize pair).
+    producer = {o: n for n in g.node for o in n.output}
+    dequantized = lambda name: name in producer and producer[name].op_type == "DequantizeLinear"
+    layers = sorted({n.name.rsplit("/", 1)[0] for n in g.node
+                     if n.op_type in ("MatMul", "Gemm") and all(dequantized(i) for i in n.input[:2])})
     fp8_weights = [i.name for i in g.initializer if i.data_type == onnx.TensorProto.FLOAT8E4M3FN and i.dims]
     files = [Path(path)] + [Path(path).parent / e.value for i in g.initializer for e in i.external_data
                             if e.key == "location"]

@@ -1,10 +1,17 @@
 """FP8 recipe: ModelOpt calibration, amax files and the variant transforms.
 
 The only module that imports modelopt. A variant is a precision plus a list of transforms,
-applied in order to a family's feature model:
-  fp8             replace the recipe's linear layers by FP8Linear (static per-tensor scales)
+applied to a family's graph module. The generic ones:
+  fp8             replace the recipe's linear layers by FP8Linear (static per-tensor scales);
+                  `include` / `exclude` patterns narrow the recipe, `keep_edge_blocks: N`
+                  keeps the layers of the first and last N blocks in the work precision
   fp32_dequantize the FP8 layers dequantize to fp32 instead of the recipe's dtype
-  hidden_scaling  set `hidden_scale` on every module that has one (FNet's 1/64 probe)
+  widen_scales    activation scales widened by `factor` (amax x factor)
+A family adds its own (FNet: `hidden_scaling`), as fn(model, params) -> summary entries.
+A layer that a family's graph module also calls at a named site (`declare_call_sites`,
+`linear_call`, e.g. attention projections also applied to relative position embeddings) is
+quantized at every call, unless the recipe's `exclude_calls` (or the fp8 transform's, which
+overrides it) names the site: those calls then run a plain linear on the work-precision weight.
 """
 
 from __future__ import annotations
@@ -23,14 +30,20 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8 = torch.float8_e4m3fn
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 FP8_REGION = "quantstudy.fp8_gemm"  # profiler region of an FP8 layer (quantize + GEMM)
-TRANSFORMS = {"fp8", "fp32_dequantize", "hidden_scaling"}
+TRANSFORMS = {"fp8", "fp32_dequantize", "widen_scales"}  # generic; families add their own
 
 log = logging.getLogger(__name__)
 
 
 def scale_from_amax(amax: float, dtype: torch.dtype) -> torch.Tensor:
-    """Per-tensor scale amax/448, rounded to the dtype the graph stores it in (fp16 Dequantize keeps fp16 scales)."""
-    return torch.tensor(max(amax, 1e-12) / FP8_MAX, dtype=torch.float32).to(dtype).to(torch.float32)
+    """Per-tensor scale amax/448, rounded to the dtype the graph stores it in (fp16 Dequantize keeps fp16 scales).
+
+    Clamped after the cast to the dtype's smallest positive value: an fp16 scale of an amax below
+    about 1.3e-5 would round to zero, and Q/DQ scales must be positive (TensorRT's parser refuses 0).
+    """
+    scale = torch.tensor(max(amax, 1e-12) / FP8_MAX, dtype=torch.float32).to(dtype)
+    smallest = torch.tensor(2.0 ** -24 if dtype == torch.float16 else torch.finfo(dtype).tiny, dtype=dtype)
+    return torch.maximum(scale, smallest).to(torch.float32)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -49,6 +62,40 @@ def fp8_gemm_supported(device: torch.device | str) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def declare_call_sites(layer: nn.Module, *sites: str) -> None:
+    """Declare that a graph module also calls `layer` at these named sites, through `linear_call`.
+
+    A recipe's `exclude_calls` may keep the calls at a site out of FP8; the plain calls,
+    `layer(x)`, are quantized wherever the recipe selects the layer.
+    """
+    layer.call_sites = tuple(sorted({*getattr(layer, "call_sites", ()), *sites}))
+
+
+def linear_call(layer: nn.Module, x: torch.Tensor, site: str) -> torch.Tensor:
+    """`layer(x)` at a declared call site; an FP8 layer whose variant keeps this site out of FP8
+    runs its work-precision linear instead. Any other layer (fp32, fp16, under calibration) is
+    called as it is, so calibration sees every call."""
+    if site not in getattr(layer, "call_sites", ()):
+        raise ValueError(f"{site!r} is not a declared call site of this layer (quantization.declare_call_sites)")
+    if site in getattr(layer, "unquantized_calls", ()):
+        return layer.work_precision(x)
+    return layer(x)
+
+
+class WorkPrecisionLinear(nn.Module):
+    """The calls of an FP8 layer that a variant keeps out of FP8: a plain linear on the
+    work-precision weight. A child of its FP8 layer, so that ONNX node names
+    (`<layer>.work_precision/MatMul`) and profiles keep it apart from the FP8 GEMM."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().clone())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class FP8Linear(nn.Module):
     """activation -> Quantize -> Dequantize(dq) -> MatMul -> + bias, weight FP8 -> Dequantize(dq).
 
@@ -57,10 +104,14 @@ class FP8Linear(nn.Module):
     GEMM, torch._scaled_mm with the static per-tensor scales. The choice is a plain attribute
     set outside forward, so torch.compile sees a constant. Create the layer after the model's
     dtype cast: Module.to(dtype) would turn the FP8 weight into that dtype too.
+
+    `call_sites` are the layer's declared extra call sites; at those in `unquantized_calls`,
+    `linear_call` runs `work_precision` (the work-precision weight, no FP8) instead.
     """
 
     def __init__(self, weight_fp32: torch.Tensor, bias: torch.Tensor | None, input_amax: float,
-                 weight_amax: float, dequantize_dtype: torch.dtype, work_dtype: torch.dtype):
+                 weight_amax: float, dequantize_dtype: torch.dtype, work_dtype: torch.dtype,
+                 call_sites: Iterable[str] = (), unquantized_calls: Iterable[str] = ()):
         super().__init__()
         self.in_features, self.out_features = weight_fp32.shape[1], weight_fp32.shape[0]
         self.dequantize_dtype = dequantize_dtype
@@ -69,6 +120,10 @@ class FP8Linear(nn.Module):
         self.register_buffer("input_scale", scale_from_amax(input_amax, dequantize_dtype))
         self.register_buffer("weight", quantize_fp8(weight_fp32, self.weight_scale))
         self.bias = nn.Parameter(bias.detach().to(work_dtype)) if bias is not None else None
+        self.call_sites = tuple(call_sites)
+        self.unquantized_calls = frozenset(unquantized_calls)
+        self.work_precision = (WorkPrecisionLinear(weight_fp32.to(work_dtype), self.bias)
+                               if self.unquantized_calls else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with record_function(FP8_REGION):
@@ -112,6 +167,12 @@ def use_fp8_gemm(model: nn.Module, device: torch.device | str) -> list[str]:
             if m.fp8_gemm:
                 names.append(name)
     return names
+
+
+def cast_inputs(inputs: dict[str, torch.Tensor], precision: str) -> dict[str, torch.Tensor]:
+    """A variant's inputs: floating tensors (an image, a KV cache) in its work precision, the rest as they are."""
+    work = DTYPES[precision]
+    return {k: v.to(work) if v.is_floating_point() else v for k, v in inputs.items()}
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -163,21 +224,43 @@ def outliers(amax: dict[str, dict[str, float]], layers: list[str], ratio: float)
     return report
 
 
+def _block_index(name: str) -> int | None:
+    """The block a layer belongs to: the first numeric component of its name (`encoder.layer.3.…`)."""
+    return next((int(p) for p in name.split(".") if p.isdigit()), None)
+
+
 def fp8_layers(model_layers: list[str], recipe: dict[str, Any], params: dict[str, Any],
                outlier_layers: list[str]) -> list[str]:
-    """The layers a variant's fp8 transform quantizes: recipe (or its own include) minus excludes and outliers."""
+    """The layers a variant's fp8 transform quantizes: recipe (or its own include) minus excludes,
+    edge blocks and outliers."""
     chosen = select(model_layers, params.get("include", recipe["quantize"]), params.get("exclude", []))
+    edge = int(params.get("keep_edge_blocks", 0))
+    if edge:
+        blocks = sorted({b for b in map(_block_index, model_layers) if b is not None})
+        kept = set(blocks[:edge] + blocks[-edge:])
+        chosen = [n for n in chosen if _block_index(n) not in kept]
     return [n for n in chosen if n not in outlier_layers]
 
 
-def apply_variant(model: nn.Module, spec: dict[str, Any], recipe: dict[str, Any],
-                  amax_doc: dict[str, Any] | None) -> tuple[nn.Module, dict[str, Any]]:
-    """Turn an fp32 feature model into a variant (precision + transforms). Returns the model and a summary."""
+def transform_names(family_transforms: dict[str, Callable] | None = None) -> set[str]:
+    return TRANSFORMS | set(family_transforms or {})
+
+
+def apply_variant(model: nn.Module, spec: dict[str, Any], recipe: dict[str, Any], amax_doc: dict[str, Any] | None,
+                  family_transforms: dict[str, Callable[[nn.Module, dict], dict]] | None = None
+                  ) -> tuple[nn.Module, dict[str, Any]]:
+    """Turn an fp32 graph module into a variant (precision + transforms). Returns the model and a summary."""
     work = DTYPES[spec["precision"]]
     transforms = [(next(iter(t)), next(iter(t.values())) or {}) for t in spec["transforms"]]
     names = dict(transforms)
-    summary: dict[str, Any] = {"precision": spec["precision"], "fp8_layers": [], "hidden_scale": None}
+    family_transforms = family_transforms or {}
+    unknown = sorted(set(names) - transform_names(family_transforms))
+    if unknown:
+        raise ValueError(f"unknown transform(s) {', '.join(unknown)}")
+    summary: dict[str, Any] = {"precision": spec["precision"], "fp8_layers": []}
     fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    call_sites: dict[str, tuple[str, ...]] = {}
+    excluded_calls: set[str] = set()
     if "fp8" in names:
         if amax_doc is None:
             raise ValueError("the fp8 transform needs an amax file")
@@ -187,21 +270,29 @@ def apply_variant(model: nn.Module, spec: dict[str, Any], recipe: dict[str, Any]
         modules = dict(model.named_modules())
         fp8_weights = {n: (modules[n].weight.detach().float().clone(),
                            None if modules[n].bias is None else modules[n].bias.detach().clone()) for n in layers}
+        call_sites = {n: tuple(getattr(modules[n], "call_sites", ())) for n in layers}
+        excluded_calls = set(names["fp8"].get("exclude_calls", recipe.get("exclude_calls", [])))
+        declared = {s for m in modules.values() for s in getattr(m, "call_sites", ())}
+        if excluded_calls - declared:
+            raise ValueError(f"exclude_calls names {', '.join(sorted(excluded_calls - declared))}, which no layer "
+                             f"declares; declared call sites: {', '.join(sorted(declared)) or 'none'}")
     model = model.to(work)
     dequant = torch.float32 if "fp32_dequantize" in names else DTYPES[recipe["dequantize_dtype"]]
+    widen = float(names.get("widen_scales", {}).get("factor", 1.0))
     for name, (weight, bias) in fp8_weights.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         a = amax_doc["amax"][name]
-        setattr(parent, child, FP8Linear(weight, bias, a["input_amax"], a["weight_amax"], dequant, work))
+        setattr(parent, child, FP8Linear(weight, bias, a["input_amax"] * widen, a["weight_amax"], dequant, work,
+                                         call_sites[name], excluded_calls & set(call_sites[name])))
     summary["fp8_layers"] = sorted(fp8_weights)
+    unquantized = {n: sorted(excluded_calls & set(s)) for n, s in call_sites.items() if excluded_calls & set(s)}
+    if unquantized:
+        summary["unquantized_calls"] = unquantized
     summary["dequantize_dtype"] = str(dequant).removeprefix("torch.") if fp8_weights else None
-    if "hidden_scaling" in names:
-        factor = float(names["hidden_scaling"]["factor"])
-        knobs = [m for m in model.modules() if hasattr(m, "hidden_scale")]
-        if not knobs:
-            raise ValueError("hidden_scaling: the model has no module with a hidden_scale")
-        for m in knobs:
-            m.hidden_scale = factor
-        summary["hidden_scale"] = factor
+    if "widen_scales" in names:
+        summary["activation_scale_factor"] = widen
+    for name, params in transforms:
+        if name in family_transforms:
+            summary.update(family_transforms[name](model, params))
     return model.eval(), summary

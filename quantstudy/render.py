@@ -78,35 +78,43 @@ def value_range(values) -> dict | None:
 # --- the view: what the templates show, computed from the tables -----------------------------
 
 def view(t: dict[str, Any]) -> dict[str, Any]:
-    spec = t["spec"]
-    cand = spec["candidate"]
+    """What the templates show, computed from tables.json alone. Nothing here knows a family:
+    a family's template block reads its columns through `column_range` and `ratio_range`."""
+    spec, cand, baselines = t["spec"], t["spec"]["candidate"], t["baselines"]
     settings = spec["settings"]
     by = defaultdict(dict)
     for row in t["speed"]:
-        by[(row["target"], row["model"], row["setting"])][row["variant"]] = row
+        by[(row["target"], row["model"], row["setting"], row.get("graph"))][row["variant"]] = row
     speed_rows = []
-    for (target, model, setting), variants in by.items():
+    for (target, model, setting, graph), variants in by.items():
         c = variants.get(cand, {})
         speed_rows.append({"target": target, "gpu": c.get("gpu") or next(iter(variants.values()))["gpu"],
-                           "model": model, "setting": setting, "window": settings[setting]["window"],
-                           "batch": settings[setting]["batch"], "baseline": c.get("baseline"), "variants": variants,
-                           "candidate": c})
+                           "model": model, "setting": setting, "graph": graph, "batch": settings[setting]["batch"],
+                           "baseline": c.get("baseline"), "variants": variants, "candidate": c})
     b1 = [r["candidate"].get("x") for r in speed_rows if r["batch"] == 1]
     bn = [r["candidate"].get("x") for r in speed_rows if r["batch"] > 1]
 
     q = defaultdict(dict)
     for row in t["quality"]:
         q[(row["target"], row["model"], row["setting"])][row["variant"]] = row
-    baselines = {r["variant"] for r in t["speed"] if r["variant"] in
-                 ({spec["baseline"]["default"]} | set(spec["baseline"].get("by_window", {}).values()))}
-    baseline_top1 = value_range(r.get("top1") for r in t["quality"]
-                           if r["variant"] == _baseline_of(spec, settings[r["setting"]]["window"]))
-    cand_q = [r for r in t["quality"] if r["variant"] == cand]
+
+    def rows_of(which: str) -> list[dict[str, Any]]:
+        """The candidate's quality rows, or each setting's baseline rows."""
+        return [r for r in t["quality"]
+                if r["variant"] == (cand if which == "candidate" else baselines[r["setting"]])]
+
+    def column_range(column: str, which: str = "candidate") -> dict | None:
+        return value_range(r.get(column) for r in rows_of(which))
+
+    def ratio_range(variant: str, column: str) -> dict | None:
+        """A variant's column over the candidate's, per quality row key, as a range."""
+        return value_range(rows[variant][column] / rows[cand][column] for rows in q.values()
+                           if rows.get(variant, {}).get(column) is not None and rows.get(cand, {}).get(column))
 
     builds = {(b["target"], b["model"], b["setting"], b["variant"]): b for b in t["builds"]}
     size_change = []
     for (target, model, setting, variant), b in builds.items():
-        base = builds.get((target, model, setting, _baseline_of(spec, settings[setting]["window"])))
+        base = builds.get((target, model, setting, baselines[setting]))
         if variant == cand and b.get("engine_bytes") and base and base.get("engine_bytes"):
             size_change.append({"target": target, "model": model, "setting": setting,
                                 "baseline_bytes": base["engine_bytes"], "candidate_bytes": b["engine_bytes"],
@@ -114,36 +122,32 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
 
     kernels = defaultdict(dict)
     for k in t["kernels"]:
-        kernels[(k["target"], k["model"], k["setting"])][k["variant"]] = k
-    # Per variant: its speed-up at batch 1 and its KL relative to the candidate's, over all rows.
-    variant_summary = {}
-    for v in spec["variants"]:
-        ratios = [rows[v]["kl_mean"] / rows[cand]["kl_mean"] for rows in q.values()
-                  if rows.get(v, {}).get("kl_mean") is not None and rows.get(cand, {}).get("kl_mean")]
-        variant_summary[v] = {"x_batch1": value_range(r["variants"].get(v, {}).get("x") for r in speed_rows if r["batch"] == 1),
-                              "kl_to_candidate": value_range(ratios)}
-    known_issue = [{**k, "target": target, "variants": q.get((target, k["model"], k["setting"]), {})}
-                   for target in t["targets"] for k in t["known_issue"]]
+        kernels[(k["target"], k["model"], k["setting"], k.get("graph"))][k["variant"]] = k
+    variant_summary = {v: {"x_batch1": value_range(r["variants"].get(v, {}).get("x")
+                                                   for r in speed_rows if r["batch"] == 1)}
+                       for v in spec["variants"]}
+    references = [{**r, "target": target, "variants": q[(target, r["model"], r["setting"])]}
+                  for target in t["targets"] for r in t["references"] if (target, r["model"], r["setting"]) in q]
     failures = [r for table in ("builds", "speed", "quality", "kernels") for r in t[table] if r["status"] != "ok"]
+    graphs = {r.get("graph") for r in t["speed"] if r.get("graph")}
     return {
         "t": t, "spec": spec, "candidate": cand, "run": t["run"], "settings": settings,
         "tiny": t["run"]["weights"] != "checkpoint", "speed_rows": speed_rows, "quality": q,
         "quality_variants": [v for v in spec["variants"] if v != "fp32"],
-        "x_batch1": value_range(b1), "x_batched": value_range(bn), "baselines": sorted(baselines),
-        "baseline_top1": baseline_top1, "candidate_top1": value_range(r.get("top1") for r in cand_q),
-        "baseline_kl": value_range(r.get("kl_mean") for r in t["quality"]
-                              if r["variant"] == _baseline_of(spec, settings[r["setting"]]["window"])),
-        "candidate_kl": value_range(r.get("kl_mean") for r in cand_q),
-        "candidate_nonfinite": sum(r.get("nonfinite") or 0 for r in cand_q),
+        "x_batch1": value_range(b1), "x_batched": value_range(bn),
+        "baselines": sorted({r["variant"] for r in t["speed"] if r["variant"] in set(baselines.values())}),
+        "baseline_of": baselines.__getitem__, "column_range": column_range, "ratio_range": ratio_range,
+        "candidate_nonfinite": sum(r.get("nonfinite") or 0 for r in rows_of("candidate")),
         "size_change": size_change, "size_range": value_range(s["change"] for s in size_change),
-        "kernels": kernels, "failures": failures, "gpus": sorted({r["gpu"] for r in t["speed"]}),
-        "decision": t["decision"], "variant_summary": variant_summary,
-        "known_issue": known_issue,
+        "kernels": kernels, "kernel_groups": t["kernel_groups"], "failures": failures,
+        "gpus": sorted({r["gpu"] for r in t["speed"]}), "decision": t["decision"],
+        "variant_summary": variant_summary, "references": references, "several_graphs": len(graphs) > 1,
     }
 
 
-def _baseline_of(spec: dict[str, Any], window: int) -> str:
-    return spec["baseline"].get("by_window", {}).get(window, spec["baseline"]["default"])
+def shape_label(shape: dict[str, Any]) -> str:
+    """A setting's shape as the write-ups print it: `512`, `800 x 1067`."""
+    return " x ".join(str(v) for k, v in shape.items() if k not in ("batch", "quality"))
 
 
 def environment() -> jinja2.Environment:
@@ -151,7 +155,7 @@ def environment() -> jinja2.Environment:
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     formats = dict(ms=ms, times=times, pct=pct, sci=sci, num=num, count=count)
     env.filters.update(span=span, **formats)
-    env.globals.update(baseline_of=_baseline_of, **formats)  # so macros can take a format as an argument
+    env.globals.update(shape_label=shape_label, **formats)  # so macros can take a format as an argument
     return env
 
 

@@ -1,7 +1,9 @@
 """The study's steps, one function per rule of the workflow, callable without Snakemake.
 
 Each step reads the artifacts earlier steps wrote and writes its own; nothing is passed in
-memory between steps. A step that measures a variant records a failure as its result.
+memory between steps. A step that measures a variant records a failure as its result. The
+steps are the harness: they know backends, timing, files and provenance, and reach the model
+only through the family contract (families/base.py), so no step names a family.
 """
 
 from __future__ import annotations
@@ -9,11 +11,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import random
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from quantstudy import artifacts, hub
 from quantstudy.artifacts import now, provenance, read_json, sha256_path, write_json
@@ -78,6 +79,17 @@ def _family(name: str):
     return families.get(name)
 
 
+def _setting(setting: dict[str, Any]):
+    """A setting as rules pass it (plain values, so that Snakemake sees a change) -> base.Setting."""
+    from quantstudy.families.base import Setting
+
+    return Setting(setting["name"], setting["batch"], setting["shape"], setting.get("quality", True))
+
+
+def _snapshot(checkpoint_json: str) -> str:
+    return read_json(checkpoint_json, "checkpoint")["snapshot"]
+
+
 # --- fixtures and fetching --------------------------------------------------------------------
 
 def local_hub(family: str, models: list[dict[str, Any]], datasets: list[dict[str, Any]], cache_dir: str,
@@ -85,20 +97,18 @@ def local_hub(family: str, models: list[dict[str, Any]], datasets: list[dict[str
     """Generate tiny checkpoints and datasets into the local HF cache, at their content-hash revisions.
 
     `models`: repo, revision, architecture (dict) and tiny spec; `datasets`: repo, revision, files, tiny spec.
+    A dataset is generated for the first model's architecture (its tokenizer's vocabulary, say).
     """
-    from quantstudy import fixtures
-
     started = now()
+    fam = _family(family)
     placed = []
-    vocab = 0
     for m in models:
-        files = _family(family).tiny_checkpoint_files(m["architecture"], m["tiny"])
+        files = fam.tiny_checkpoint_files(m["architecture"], m["tiny"])
         hub.place_in_cache(cache_dir, m["repo"], "model", m["revision"], files)
         placed.append({"repo": m["repo"], "repo_type": "model", "revision": m["revision"], "files": sorted(files)})
-        vocab = max(vocab, m["architecture"]["vocab_size"])
         log.info("placed %s at %s", m["repo"], m["revision"])
     for d in datasets:
-        files = fixtures.dataset_files(d["files"], d["tiny"], vocab or 512)
+        files = fam.tiny_dataset_files(d["files"], d["tiny"], models[0]["architecture"] if models else {})
         hub.place_in_cache(cache_dir, d["repo"], "dataset", d["revision"], files)
         placed.append({"repo": d["repo"], "repo_type": "dataset", "revision": d["revision"], "files": sorted(files)})
         log.info("placed dataset %s at %s", d["repo"], d["revision"])
@@ -135,33 +145,14 @@ def _load_split(snapshot: Path, pattern: str):
 
 def fetch_dataset(name: str, samples_spec: dict[str, Any], dataset: dict[str, Any], family: str, cache_dir: str,
                   offline: bool, checkpoint_json: str, out: str, local_hub_json: str | None = None) -> None:
-    """Draw the samples (seeded, within token bounds by the study's tokenizer) from a pinned dataset."""
+    """Draw the samples (the family's rule, seeded) from a split of a pinned dataset."""
     started = now()
     split = samples_spec["split"]
     snap = hub.snapshot(dataset["repo"], dataset["revision"], cache_dir, "dataset", [dataset["files"][split]], offline)
     rows = _load_split(snap, dataset["files"][split])
     log.info("%s %s: %d rows", dataset["repo"], split, len(rows))
-    samples = []
-    if samples_spec["kind"] == "passages":
-        tokenizer = _family(family).tokenizer(read_json(checkpoint_json, "checkpoint")["snapshot"])
-        order = list(range(len(rows)))
-        random.Random(samples_spec.get("seed", 0)).shuffle(order)
-        lo, hi = samples_spec.get("min_tokens", 1), samples_spec.get("max_tokens", 10**9)
-        for i in order:
-            text = rows[i]["text"].strip()
-            if not text or text.startswith("="):  # WikiText headings and blank lines are not passages
-                continue
-            n = _family(family).count_tokens(tokenizer, text)
-            if lo <= n <= hi:
-                samples.append({"id": i, "text": text, "tokens": n, "sha256": _sha(text)})
-            if len(samples) == samples_spec["count"]:
-                break
-    else:
-        for i in range(min(samples_spec["count"], len(rows))):
-            r = rows[i]
-            score = r.get("score", r.get("label"))
-            samples.append({"id": i, "sentence1": r["sentence1"], "sentence2": r["sentence2"], "score": float(score),
-                            "sha256": _sha(r["sentence1"] + "\n" + r["sentence2"])})
+    fam = _family(family)
+    samples = fam.draw_samples(rows, samples_spec, fam.processor(_snapshot(checkpoint_json)))
     if len(samples) < samples_spec["count"]:
         log.warning("%s: only %d of %d samples qualify", name, len(samples), samples_spec["count"])
     write_json(out, "samples", {
@@ -171,111 +162,59 @@ def fetch_dataset(name: str, samples_spec: dict[str, Any], dataset: dict[str, An
                                  "dataset": dataset}, started)})
 
 
-def _sha(text: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(text.encode()).hexdigest()
+def _samples(samples_jsons: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+    return {name: read_json(path, "samples")["samples"] for name, path in samples_jsons.items()}
 
 
 # --- reference and calibration ----------------------------------------------------------------
 
-def _sts_sentences(sts: dict[str, Any]) -> tuple[list[str], list[float]]:
-    sentences = [s for p in sts["samples"] for s in (p["sentence1"], p["sentence2"])]
-    return sentences, [p["score"] for p in sts["samples"]]
-
-
-def _mask(ids, tokenizer, fraction: float, seed: int):
-    """Replace `fraction` of the body tokens of each row by [MASK] (seeded); returns ids and positions."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    masked, positions = ids.clone(), []
-    special = {tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id}
-    for row in range(ids.shape[0]):
-        body = [j for j in range(ids.shape[1]) if int(ids[row, j]) not in special]
-        k = max(1, round(fraction * len(body)))
-        pick = sorted(body[j] for j in torch.randperm(len(body), generator=g)[:k].tolist())
-        masked[row, pick] = tokenizer.mask_token_id
-        positions += [(row, j) for j in pick]
-    return masked, torch.tensor(positions, dtype=torch.int64)
-
-
-def _features(fn: Callable, ids, batch: int):
-    import torch
-
-    with torch.no_grad():
-        return torch.cat([fn(ids[i:i + batch]).float().cpu() for i in range(0, ids.shape[0], batch)])
-
-
-def reference(family: str, model: str, setting: str, window: int, metrics: dict[str, Any], seed: int,
-              checkpoint_json: str, heldout_json: str, sts_json: str, out_json: str, out_tensors: str) -> None:
-    """PyTorch fp32 outputs (TF32 off) on the evaluation samples: what every variant is compared with."""
-    import torch
+def reference(family: str, model: str, setting: dict[str, Any], metrics: dict[str, Any], seeds: dict[str, int],
+              checkpoint_json: str, samples_jsons: dict[str, str], out_json: str, out_tensors: str) -> None:
+    """The reference model's outputs (fp32, TF32 off, or the study's dtype) on the evaluation samples:
+    what every variant is compared with, and the family's metric blocks of the reference itself."""
     from safetensors.torch import save
-
-    from quantstudy import metrics as qm
 
     started = now()
     _deterministic()
-    fam = _family(family)
-    ckpt = read_json(checkpoint_json, "checkpoint")["snapshot"]
     device = _device()
-    ref, tok = fam.load_reference(ckpt).to(device), fam.tokenizer(ckpt)
-    heldout = [s["text"] for s in read_json(heldout_json, "samples")["samples"]]
-    sentences, gold = _sts_sentences(read_json(sts_json, "samples"))
-    ids = fam.encode(tok, heldout, window)
-    masked, positions = _mask(ids, tok, metrics["mask_fraction"], seed)
-    last = lambda x: ref(input_ids=x.to(device), output_hidden_states=True).hidden_states[-1]
-    log.info("reference %s %s: %d passages, %d masked tokens, %d STS sentences", model, setting, len(heldout),
-             len(positions), len(sentences))
-    masked_features = _features(last, masked, 8)
-    sts_ids = fam.encode(tok, sentences, window)
-    sts_cls = _features(last, sts_ids, 8)[:, 0]
-    peaks = []
-    progress = Progress("mixing peaks", ids.shape[0])
-    for i in range(ids.shape[0]):
-        peaks += fam.mixing_peaks(ref, ids[i:i + 1].to(device))
-        progress(i + 1)
-    tensors = {"heldout_ids": ids.to(torch.int32), "masked_ids": masked.to(torch.int32),
-               "mask_positions": positions, "mlm_features": masked_features[positions[:, 0], positions[:, 1]].contiguous(),
-               "heldout_cls": _features(last, ids, 8)[:, 0].contiguous(), "sts_ids": sts_ids.to(torch.int32),
-               "sts_cls": sts_cls.contiguous()}
+    tensors, blocks = _family(family).reference(_snapshot(checkpoint_json), _samples(samples_jsons),
+                                                _setting(setting), metrics, seeds, device)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
     artifacts.atomic_write(out_tensors, save(tensors))
-    fp16_max = metrics["fp16_max"]
     write_json(out_json, "reference", {
-        "model": model, "setting": setting, "window": window, "device": device,
+        "model": model, "setting": setting["name"], "device": device,
         "tensors": {k: list(v.shape) for k, v in tensors.items()}, "tensors_sha256": sha256_path(out_tensors),
-        "sts_spearman": qm.sts_spearman(sts_cls[0::2], sts_cls[1::2], gold),
-        "mixing_peak": {"max": max(peaks), "per_passage": peaks, "fp16_max": fp16_max,
-                        "passages_over_fp16_max": sum(p > fp16_max for p in peaks)},
-        "provenance": provenance("reference", {"checkpoint": checkpoint_json, "heldout": heldout_json, "sts": sts_json},
-                                 {"window": window, "metrics": metrics, "seed": seed}, started)})
+        "blocks": blocks,
+        "provenance": provenance("reference", {"checkpoint": checkpoint_json, **samples_jsons},
+                                 {"setting": setting, "metrics": metrics, "seeds": seeds}, started)})
 
 
-def calibrate(family: str, model: str, window: int, recipe: dict[str, Any], checkpoint_json: str,
-              samples_json: str, out: str) -> None:
-    """Static activation amax per linear layer from ModelOpt max calibration at this window."""
+def calibrate(family: str, model: str, setting: dict[str, Any], architecture: dict[str, Any], recipe: dict[str, Any],
+              checkpoint_json: str, samples_json: str, out: str) -> None:
+    """Static activation amax per linear layer from ModelOpt max calibration at this setting's shape,
+    on the family's calibration batches through its first graph."""
     from quantstudy import quantization
 
     started = now()
     _deterministic()
-    fam = _family(family)
-    ckpt = read_json(checkpoint_json, "checkpoint")["snapshot"]
+    fam, st, ckpt = _family(family), _setting(setting), _snapshot(checkpoint_json)
     device = _device()
-    encoder = fam.feature_model(ckpt, window).to(device)
-    texts = [s["text"] for s in read_json(samples_json, "samples")["samples"]]
-    ids = fam.encode(fam.tokenizer(ckpt), texts, window).to(device)
-    batches = [{"input_ids": ids[i:i + 8]} for i in range(0, ids.shape[0], 8)]
-    log.info("calibrating %s at %d tokens on %d passages (%d batches)", model, window, len(texts), len(batches))
-    amax = quantization.calibrate(encoder, batches, Progress("calibration batches", len(batches)))
+    graph = next(iter(fam.graphs(st, architecture)))
+    module = fam.module(ckpt, graph, st).to(device)
+    samples = read_json(samples_json, "samples")["samples"]
+    batches = [{k: v.to(device) for k, v in b.items()} for b in fam.calibration_batches(ckpt, samples, st)]
+    log.info("calibrating %s (%s, graph %s) on %d samples (%d batches)", model, st.name, graph, len(samples),
+             len(batches))
+    amax = quantization.calibrate(module, batches, Progress("calibration batches", len(batches)))
     layers = quantization.select(sorted(amax), recipe["quantize"])
     report = quantization.outliers(amax, layers, recipe["outlier_ratio"])
     log.info("largest scale ratio to the median: %s; outliers: %s", report["largest_ratio"], report["layers"])
     write_json(out, "amax", {
-        "model": model, "window": window, "device": device, "amax": amax, "recipe_layers": layers, "outliers": report,
-        "calibration": {"config": recipe["activation_calibration"], "passages": len(texts), "framing": "[CLS] ... [SEP], padded"},
+        "model": model, "setting": st.name, "shape": dict(st.shape), "graph": graph, "device": device, "amax": amax,
+        "recipe_layers": layers, "outliers": report,
+        "calibration": {"config": recipe["activation_calibration"], "samples": len(samples), "batches": len(batches)},
         "provenance": provenance("calibrate", {"checkpoint": checkpoint_json, "samples": samples_json},
-                                 {"window": window, "recipe": recipe}, started)})
+                                 {"setting": setting, "recipe": recipe}, started)})
 
 
 # --- engines ---------------------------------------------------------------------------------
@@ -287,43 +226,67 @@ def _failure(kind: str, out: str, ident: dict[str, Any], error: str, rule: str, 
                            "provenance": provenance(rule, inputs, params, started)})
 
 
-def _variant_model(family: str, checkpoint_dir: str, window: int, spec: dict, recipe: dict, amax_doc: dict | None):
+def _variant_modules(family: str, checkpoint_dir: str, setting, spec: dict, recipe: dict, amax_doc: dict | None,
+                     graphs: Iterable[str]):
+    """{graph: (variant module, summary)} of one variant at a setting."""
     from quantstudy import quantization
 
-    model = _family(family).feature_model(checkpoint_dir, window)
-    return quantization.apply_variant(model, spec, recipe, amax_doc)
+    fam = _family(family)
+    return {g: quantization.apply_variant(fam.module(checkpoint_dir, g, setting), spec, recipe, amax_doc,
+                                          fam.transforms())
+            for g in graphs}
 
 
-def export(ident: dict[str, Any], family: str, window: int, batch: int, spec: dict[str, Any], recipe: dict[str, Any],
-           checkpoint_json: str, amax_json: str | None, out: str, opset: int | None = None) -> None:
-    """Export one variant to ONNX (fp32, fp16, FP8 Q/DQ) at the setting's shape. A failure is recorded."""
+def _example_inputs(family: str, checkpoint_dir: str, graph: str, setting, precision: str) -> dict[str, Any]:
+    """The family's example inputs of a graph, floating ones in the variant's precision."""
+    from quantstudy import quantization
+
+    return quantization.cast_inputs(_family(family).example_inputs(checkpoint_dir, graph, setting), precision)
+
+
+def _dynamic(graph) -> dict[str, dict[int, Any]]:
+    return {name: dict(t.dynamic) for name, t in graph.inputs.items() if t.dynamic}
+
+
+def _profile(graph) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """(min, opt, max) shapes of each dynamic input: the optimization profile an engine is built for."""
+    def at(t, which):
+        return tuple(getattr(t.dynamic[a], which) if a in t.dynamic else n for a, n in enumerate(t.shape))
+    return {name: (at(t, "min"), at(t, "opt"), at(t, "max")) for name, t in graph.inputs.items() if t.dynamic}
+
+
+def export(ident: dict[str, Any], family: str, setting: dict[str, Any], architecture: dict[str, Any],
+           spec: dict[str, Any], recipe: dict[str, Any], checkpoint_json: str, amax_json: str | None, out: str,
+           opset: int | None = None) -> None:
+    """Export each graph of one variant to ONNX (fp32, fp16, FP8 Q/DQ). A failure is recorded."""
     from quantstudy import export as qe
 
     started = now()
     inputs = {"checkpoint": checkpoint_json, **({"amax": amax_json} if amax_json else {})}
-    params = {"spec": spec, "recipe": recipe, "window": window, "batch": batch, "opset": opset or qe.OPSET}
+    params = {"spec": spec, "recipe": recipe, "setting": setting, "opset": opset or qe.OPSET}
     try:
         _deterministic()
         amax_doc = read_json(amax_json, "amax") if amax_json else None
-        ckpt = read_json(checkpoint_json, "checkpoint")["snapshot"]
-        model, summary = _variant_model(family, ckpt, window, spec, recipe, amax_doc)
-        info = qe.export(model, _timing_ids(family, checkpoint_json, window, batch), Path(out).parent,
-                         opset or qe.OPSET)
-        if sorted(info["fp8_layers"]) != summary["fp8_layers"]:
-            raise RuntimeError(f"the ONNX has Q/DQ for {info['fp8_layers']}, the variant's FP8 layers are "
-                               f"{summary['fp8_layers']}")
-        log.info("exported %s: %s, %d bytes", ident, info["op_counts"], info["onnx_bytes"])
-        write_json(out, "export", {"status": "ok", **ident, "spec": spec, **summary, **info,
-                                   "onnx_sha256": sha256_path(info["onnx"]),
+        fam, st, ckpt = _family(family), _setting(setting), _snapshot(checkpoint_json)
+        specs, graphs, summary = fam.graphs(st, architecture), {}, {}
+        for name, (model, summary) in _variant_modules(family, ckpt, st, spec, recipe, amax_doc, specs).items():
+            info = qe.export(model, _example_inputs(family, ckpt, name, st, spec["precision"]), Path(out).parent / name,
+                             opset or qe.OPSET, _dynamic(specs[name]))
+            if sorted(info["fp8_layers"]) != summary["fp8_layers"]:
+                raise RuntimeError(f"the {name} ONNX has Q/DQ for {info['fp8_layers']}, the variant's FP8 layers "
+                                   f"are {summary['fp8_layers']}")
+            graphs[name] = {**info, "onnx_sha256": sha256_path(info["onnx"])}
+            log.info("exported %s %s: %s, %d bytes", ident, name, info["op_counts"], info["onnx_bytes"])
+        write_json(out, "export", {"status": "ok", **ident, "spec": spec, **summary, "graphs": graphs,
                                    "provenance": provenance("export", inputs, params, started)})
     except Exception:
         _failure("export", out, ident, traceback.format_exc(), "export", inputs, params, started, spec=spec)
 
 
-def build(ident: dict[str, Any], family: str, target: dict[str, Any], window: int, batch: int, spec: dict[str, Any],
-          recipe: dict[str, Any], checkpoint_json: str, amax_json: str | None, out: str,
-          export_json: str | None = None) -> None:
-    """Build one engine (variant x target). A build that raises is recorded as failed.
+def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any],
+          architecture: dict[str, Any], spec: dict[str, Any], recipe: dict[str, Any], checkpoint_json: str,
+          amax_json: str | None, out: str, export_json: str | None = None) -> None:
+    """Build one engine per graph (variant x target). A build that raises is recorded as failed.
 
     The torch backend builds from the variant module; onnxruntime and tensorrt from the
     variant's exported ONNX (`export_json`).
@@ -333,167 +296,160 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], window: in
     started = now()
     inputs = {"checkpoint": checkpoint_json, **({"amax": amax_json} if amax_json else {}),
               **({"export": export_json} if export_json else {})}
-    params = {"spec": spec, "recipe": recipe, "target": target, "window": window, "batch": batch}
+    params = {"spec": spec, "recipe": recipe, "target": target, "setting": setting}
     try:
         _deterministic()
         amax_doc = read_json(amax_json, "amax") if amax_json else None
         backend = backends.get(target["backend"])
+        st, engines = _setting(setting), {}
+        graphs = _family(family).graphs(st, architecture)
         if getattr(backend, "INPUT", "module") == "onnx":
             exported = read_json(export_json, "export")
             if exported["status"] != "ok":
                 raise RuntimeError(f"the export of {ident['variant']} failed, so it cannot be built:\n"
                                    f"{exported['error']}")
-            summary = {k: exported[k] for k in ("precision", "fp8_layers", "hidden_scale", "dequantize_dtype")}
-            info = backend.build(exported["onnx"], Path(out).parent, target)
+            summary = {k: v for k, v in exported.items() if k not in _EXPORT_KEYS}
+            for name, g in exported["graphs"].items():
+                engines[name] = backend.build(g["onnx"], Path(out).parent / name, target, _profile(graphs[name]))
         else:
-            ckpt = read_json(checkpoint_json, "checkpoint")["snapshot"]
-            model, summary = _variant_model(family, ckpt, window, spec, recipe, amax_doc)
-            info = backend.build(model, Path(out).parent)
+            modules = _variant_modules(family, _snapshot(checkpoint_json), st, spec, recipe, amax_doc, graphs)
+            for name, (model, summary) in modules.items():
+                engines[name] = backend.build(model, Path(out).parent / name)
         calibration = None
         if amax_doc:
             calibration = {"amax": {n: amax_doc["amax"][n] for n in summary["fp8_layers"]},
                            "outliers": amax_doc["outliers"]}
-        log.info("built %s: %d FP8 layers, %d bytes", ident, len(summary["fp8_layers"]), info["engine_bytes"])
-        write_json(out, "build", {"status": "ok", **ident, "spec": spec, **summary, **info,
-                                  "calibration": calibration,
+        engine_bytes = sum(e["engine_bytes"] for e in engines.values())
+        log.info("built %s: %d FP8 layers, %d bytes", ident, len(summary["fp8_layers"]), engine_bytes)
+        write_json(out, "build", {"status": "ok", **ident, "spec": spec, **summary, "graphs": engines,
+                                  "engine_bytes": engine_bytes, "calibration": calibration,
                                   "provenance": provenance("build", inputs, params, started)})
     except Exception:
         _failure("build", out, ident, traceback.format_exc(), "build", inputs, params, started, spec=spec)
 
 
-def _runner(family: str, build_doc: dict[str, Any], recipe: dict, checkpoint_json: str, window: int,
-            target: dict[str, Any], example_ids):
-    """Open a built engine as a runner at the example's input shape."""
+# What an export JSON says of itself, not of the variant: a build does not copy these.
+_EXPORT_KEYS = {"schema", "schema_version", "status", "provenance", "graphs", "spec", "model", "setting", "variant"}
+
+
+def _runners(family: str, build_doc: dict[str, Any], recipe: dict, checkpoint_json: str, setting,
+             target: dict[str, Any], graphs: list[str] | None = None) -> dict[str, Any]:
+    """Open a built variant's engines as runners ({graph: runner}) at the setting's example inputs."""
     from quantstudy import backends
 
     if build_doc["status"] != "ok":
         raise RuntimeError(f"the build of {build_doc['variant']} failed, so it cannot be measured")
+    ckpt = _snapshot(checkpoint_json)
     backend = backends.get(target["backend"])
-    skeleton = None
+    names = [g for g in build_doc["graphs"] if graphs is None or g in graphs]
+    skeletons = {}
     if getattr(backend, "INPUT", "module") == "module":  # an ONNX engine carries its own structure
-        ckpt = read_json(checkpoint_json, "checkpoint")["snapshot"]
-        skeleton, _ = _variant_model(family, ckpt, window, build_doc["spec"], recipe, build_doc.get("calibration"))
-    return backend.open(Path(build_doc["engine"]).parent, example_ids, target, skeleton)
+        skeletons = {g: m for g, (m, _) in _variant_modules(family, ckpt, setting, build_doc["spec"], recipe,
+                                                             build_doc.get("calibration"), names).items()}
+    precision = build_doc["spec"]["precision"]
+    return {g: backend.open(Path(build_doc["graphs"][g]["engine"]).parent,
+                            _example_inputs(family, ckpt, g, setting, precision), target, skeletons.get(g))
+            for g in names}
 
 
-def _timing_ids(family: str, checkpoint_json: str, window: int, batch: int):
-    fam = _family(family)
-    ckpt = read_json(checkpoint_json, "checkpoint")["snapshot"]
-    tok = fam.tokenizer(ckpt)
-    return fam.stress_inputs(tok, window, batch, seed=0)["input_ids"][:1].repeat(batch, 1)
-
-
-def time(ident: dict[str, Any], family: str, target: dict[str, Any], window: int, batch: int, recipe: dict,
+def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,
          timing: dict[str, int], checkpoint_json: str, build_json: str, baseline_build_json: str, out: str) -> None:
-    """Time the variant and its baseline side by side (one process, interleaved rounds)."""
+    """Time each graph of the variant and of its baseline side by side (one process, interleaved rounds)."""
     from quantstudy import timing as qt
 
     started = now()
     inputs = {"checkpoint": checkpoint_json, "build": build_json, "baseline_build": baseline_build_json}
-    params = {"target": target, "timing": timing, "window": window, "batch": batch}
+    params = {"target": target, "timing": timing, "setting": setting}
     variant_doc, base_doc = read_json(build_json, "build"), read_json(baseline_build_json, "build")
     baseline = base_doc["variant"]
     try:
         _deterministic()
-        ids = _timing_ids(family, checkpoint_json, window, batch)
-        runners = {doc["variant"]: _runner(family, doc, recipe, checkpoint_json, window, target, ids)
+        st = _setting(setting)
+        runners = {doc["variant"]: _runners(family, doc, recipe, checkpoint_json, st, target)
                    for doc in (variant_doc, base_doc)}
-        with qt.device_lock(target["device"]):
-            result = qt.time_interleaved(runners, timing["warmup"], timing["rounds"], timing["calls_per_round"],
-                                         lambda line: log.info(line))
-            # Proof of FP8: the kernels the variant's FP8 GEMM ops launch (a short profile, after timing).
-            fp8 = qt.fp8_proof(runners[ident["variant"]])
-        log.info("FP8 GEMMs: %s", fp8)
-        v, b = result[ident["variant"]], result[baseline]
-        write_json(out, "timing", {"status": "ok", **ident, "baseline": baseline, "batch": batch, "window": window,
-                                   "variant_ms": v, "baseline_ms": b, **qt.speedup(b["samples_ms"], v["samples_ms"]),
-                                   "fp8": fp8, "provenance": provenance("time", inputs, params, started)})
+        graphs = {}
+        for g in runners[ident["variant"]]:
+            pair = {name: r[g] for name, r in runners.items()}
+            with qt.device_lock(target["device"]):
+                result = qt.time_interleaved(pair, timing["warmup"], timing["rounds"], timing["calls_per_round"],
+                                             lambda line: log.info("%s %s", g, line))
+                # Proof of FP8: the kernels the variant's FP8 GEMM ops launch (a short profile, after timing).
+                fp8 = qt.fp8_proof(pair[ident["variant"]])
+            log.info("%s FP8 GEMMs: %s", g, fp8)
+            v, b = result[ident["variant"]], result[baseline]
+            graphs[g] = {"variant_ms": v, "baseline_ms": b, **qt.speedup(b["samples_ms"], v["samples_ms"]), "fp8": fp8}
+        write_json(out, "timing", {"status": "ok", **ident, "baseline": baseline, "batch": st.batch,
+                                   "shape": dict(st.shape), "graphs": graphs,
+                                   "provenance": provenance("time", inputs, params, started)})
     except Exception:
         _failure("timing", out, ident, traceback.format_exc(), "time", inputs, params, started, baseline=baseline)
 
 
-def profile(ident: dict[str, Any], family: str, target: dict[str, Any], window: int, batch: int, recipe: dict,
+def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,
             calls: int, checkpoint_json: str, build_json: str, out: str) -> None:
-    """Kernel (GPU) or op (CPU) time per call, in the family's kernel groups."""
+    """Kernel (GPU) or op (CPU) time per call of each graph, in the family's kernel groups."""
     from quantstudy import quantization, timing as qt
 
     started = now()
     inputs = {"checkpoint": checkpoint_json, "build": build_json}
-    params = {"target": target, "calls": calls, "window": window, "batch": batch}
+    params = {"target": target, "calls": calls, "setting": setting}
     try:
-        fam = _family(family)
-        runner = _runner(family, read_json(build_json, "build"), recipe, checkpoint_json, window, target,
-                         _timing_ids(family, checkpoint_json, window, batch))
+        fam, st = _family(family), _setting(setting)
+        runners = _runners(family, read_json(build_json, "build"), recipe, checkpoint_json, st, target)
         regions = set(fam.regions) | {quantization.FP8_REGION}
-        classify = functools.partial(fam.kernel_group, window=window)
-        with qt.device_lock(target["device"]):
-            if hasattr(runner, "kernel_profile"):  # the backend's own profiler (ONNX Runtime, TensorRT)
-                result = runner.kernel_profile(calls, classify, quantization.FP8_REGION)
-            else:
-                result = qt.kernel_profile(runner, calls, classify, regions)
-        write_json(out, "kernels", {"status": "ok", **ident, "groups": fam.kernel_groups, **result,
+        classify = functools.partial(fam.kernel_group, setting=st)
+        graphs = {}
+        for g, runner in runners.items():
+            with qt.device_lock(target["device"]):
+                if hasattr(runner, "kernel_profile"):  # the backend's own profiler (ONNX Runtime, TensorRT)
+                    graphs[g] = runner.kernel_profile(calls, classify, quantization.FP8_REGION)
+                else:
+                    graphs[g] = qt.kernel_profile(runner, calls, classify, regions)
+        write_json(out, "kernels", {"status": "ok", **ident, "groups": fam.kernel_groups, "graphs": graphs,
                                     "provenance": provenance("profile", inputs, params, started)})
     except Exception:
         _failure("kernels", out, ident, traceback.format_exc(), "profile", inputs, params, started)
 
 
-def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], window: int, batch: int, recipe: dict,
+def _batched_run(runners: dict[str, Any], batch: int):
+    """The family's view of the engines: run(inputs, what, graph, whole) -> outputs, in the engine's
+    batch (or, `whole`, all rows in one call), gathered on the CPU."""
+    import torch
+
+    def run(inputs: dict[str, Any], what: str = "", graph: str = "main", whole: bool = False) -> dict[str, Any]:
+        runner = runners[graph]
+        rows = next(iter(inputs.values())).shape[0]
+        step = rows if whole else batch
+        progress, outs = Progress(what or graph, rows), []
+        for i in range(0, rows, step):
+            outs.append({k: v.cpu() for k, v in runner({k: v[i:i + step] for k, v in inputs.items()}).items()})
+            progress(min(i + step, rows))
+        return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+    return run
+
+
+def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,
              metrics: dict[str, Any], seeds: dict[str, int], checkpoint_json: str, build_json: str,
-             reference_json: str, reference_tensors: str, sts_json: str, out: str) -> None:
-    """Quality against the reference, and the non-finite scan (held-out, STS, stress inputs, a batch of 8)."""
+             reference_json: str, reference_tensors: str, samples_jsons: dict[str, str], out: str) -> None:
+    """The family's quality metrics of the engine against the reference, and its non-finite scan."""
     import torch
     from safetensors.torch import load_file
 
-    from quantstudy import metrics as qm
-
     started = now()
     inputs = {"checkpoint": checkpoint_json, "build": build_json, "reference": reference_json,
-              "reference_tensors": reference_tensors, "sts": sts_json}
-    params = {"target": target, "metrics": metrics, "seeds": seeds, "window": window, "batch": batch}
+              "reference_tensors": reference_tensors, **samples_jsons}
+    params = {"target": target, "metrics": metrics, "seeds": seeds, "setting": setting}
     try:
         _deterministic()
-        fam = _family(family)
-        ckpt = read_json(checkpoint_json, "checkpoint")["snapshot"]
-        ref_model, tok = fam.load_reference(ckpt), fam.tokenizer(ckpt)
-        ref = load_file(reference_tensors)
-        runner = _runner(family, read_json(build_json, "build"), recipe, checkpoint_json, window, target,
-                         ref["heldout_ids"][:batch].long())
-
-        def run(ids: torch.Tensor, what: str) -> torch.Tensor:
-            progress, outs = Progress(what, ids.shape[0]), []
-            for i in range(0, ids.shape[0], batch):
-                outs.append(runner(ids[i:i + batch].long()).float().cpu())
-                progress(min(i + batch, ids.shape[0]))
-            return torch.cat(outs)
-
-        masked = run(ref["masked_ids"], "masked held-out passages")
-        pos = ref["mask_positions"]
-        device = target["device"]  # the MLM head over every masked token is a large GEMM
-        ref_model.to(device)
+        st = _setting(setting)
+        runners = _runners(family, read_json(build_json, "build"), recipe, checkpoint_json, st, target)
         with torch.no_grad():
-            mlm = qm.mlm_agreement(fam.mlm_logits(ref_model, ref["mlm_features"].to(device)),
-                                   fam.mlm_logits(ref_model, masked[pos[:, 0], pos[:, 1]].to(device)))
-        heldout = run(ref["heldout_ids"], "held-out passages")
-        sts = run(ref["sts_ids"], "STS sentences")
-        gold = [p["score"] for p in read_json(sts_json, "samples")["samples"]]
-        cls = qm.cls_agreement(ref["heldout_cls"], heldout[:, 0])
-        n_bar = metrics["quality_bar"]["sts_sentences"]
-        bar = qm.quality_bar(ref["sts_cls"][:n_bar], sts[:n_bar, 0], metrics["quality_bar"]["max_cls_relative_l2"])
-        stress = fam.stress_inputs(tok, window, metrics["stress_inputs"], seeds.get("stress", 0))
-        stress_out = run(stress["input_ids"], "stress inputs")
-        with torch.no_grad():
-            big = runner(ref["heldout_ids"][:metrics["nonfinite_batch"]].long()).float().cpu()
-        bad = lambda x: int((~qm.finite_rows(x)).sum())
-        nonfinite = {"heldout": {"bad": bad(heldout), "of": heldout.shape[0]},
-                     "masked_heldout": {"bad": bad(masked), "of": masked.shape[0]},
-                     "sts_sentences": {"bad": bad(sts), "of": sts.shape[0]},
-                     "stress": {"bad": bad(stress_out), "of": stress_out.shape[0], "kinds": sorted(set(stress["kinds"]))},
-                     "batch": {"bad": bad(big), "of": big.shape[0]}}
-        nonfinite["total_bad"] = sum(v["bad"] for v in nonfinite.values() if isinstance(v, dict))
-        log.info("mlm %s, cls %s, non-finite %s", mlm, cls, nonfinite["total_bad"])
-        write_json(out, "quality", {
-            "status": "ok", **ident, "window": window, "mlm": mlm, "cls": cls,
-            "sts_spearman": qm.sts_spearman(sts[0::2, 0], sts[1::2, 0], gold), "quality_bar": bar,
-            "nonfinite": nonfinite, "provenance": provenance("evaluate", inputs, params, started)})
+            result = _family(family).evaluate(_snapshot(checkpoint_json), _batched_run(runners, st.batch),
+                                              load_file(reference_tensors), _samples(samples_jsons), st, metrics,
+                                              seeds, target["device"])
+        log.info("%s; non-finite %d", result.blocks, result.total_nonfinite)
+        write_json(out, "quality", {"status": "ok", **ident, "blocks": result.blocks,
+                                    "nonfinite": {**result.nonfinite, "total_bad": result.total_nonfinite},
+                                    "provenance": provenance("evaluate", inputs, params, started)})
     except Exception:
         _failure("quality", out, ident, traceback.format_exc(), "evaluate", inputs, params, started)

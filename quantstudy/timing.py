@@ -22,6 +22,8 @@ from quantstudy.artifacts import file_lock
 def time_interleaved(runners: dict[str, Any], warmup: int, rounds: int, calls: int,
                      progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
     """Per runner: raw per-round ms per call, median, min, max and relative spread."""
+    if rounds < 1 or calls < 1:
+        raise ValueError(f"timing needs at least one round of one call, not {rounds} rounds of {calls}")
     names = list(runners)
     for name in names:
         for _ in range(warmup):
@@ -161,6 +163,8 @@ def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], region
     the launching op and the kernel's name decide. On CUDA the runner's `profile_call` runs the
     compiled forward kernel by kernel (graph replay would hide which op launched a kernel).
     """
+    if calls < 1:
+        raise ValueError(f"a kernel profile needs at least one call, not {calls}")
     groups: dict[str, float] = defaultdict(float)
     kernels: dict[tuple[str, str], float] = defaultdict(float)
     launched_by: dict[str, str] = {}

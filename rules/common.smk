@@ -18,15 +18,29 @@ wildcard_constraints:
     target=r"[A-Za-z0-9_.-]+",
     variant=r"[A-Za-z0-9_.+-]+",
     samples=r"[a-z0-9_]+",
-    window=r"\d+",
 
 
 VARIANT_KEY = "{study}/{target}/{model}/{setting}/{variant}"
-VARIANT_DIR = "results/" + VARIANT_KEY
+VARIANT_DIR = f"results/{VARIANT_KEY}"
+EXPORT_DIR = "results/{study}/{model}/{setting}/onnx/{variant}"
 
 
 def study(w):
     return RUN.studies[w.study]
+
+
+def setting_params(w):
+    """The setting as plain values: a rule's params, so that a changed shape reruns its jobs."""
+    s = study(w).setting(w.setting)
+    return {"name": s.name, "batch": s.batch, "shape": dict(s.shape), "quality": s.quality}
+
+
+def architecture(w):
+    return study(w).models[w.model].architecture
+
+
+def variant_spec(w):
+    return study(w).variants[w.variant].spec(study(w).setting(w.setting))
 
 
 def target_params(w):
@@ -42,34 +56,40 @@ def checkpoint_json(w):
     return f"results/{w.study}/{w.model}/checkpoint.json"
 
 
-def samples_json(name):
-    return lambda w: f"results/{w.study}/data/{name}.json"
+def samples_json(w, name):
+    return f"results/{w.study}/data/{name}.json"
+
+
+def evaluation_samples(w):
+    """The study's evaluation sample sets, by name: what the reference and evaluate jobs read."""
+    return {name: samples_json(w, name) for name in study(w).raw["evaluation_samples"]}
+
+
+def calibration_samples(w):
+    return samples_json(w, study(w).recipe["activation_calibration"]["samples"])
 
 
 def first_model_checkpoint(w):
     return f"results/{w.study}/{next(iter(study(w).models))}/checkpoint.json"
 
 
-def window(w):
-    return study(w).setting(w.setting).window
+def amax_json(study_name, model, setting):
+    return f"results/{study_name}/{model}/calib/{setting}/amax.json"
 
 
 def amax_input(w):
-    """The variant's amax file, only if it has FP8 layers."""
-    v = study(w).variants[w.variant]
-    if any(name == "fp8" for name, _ in v.transforms_at(window(w))):
-        return {"amax": f"results/{w.study}/{w.model}/calib/w{window(w)}/amax.json"}
+    """The variant's amax file (its setting's calibration setting), only if it has FP8 layers."""
+    s = study(w)
+    if s.variants[w.variant].has_fp8(s.setting(w.setting)):
+        return {"amax": amax_json(w.study, w.model, s.calibration_setting(w.model, w.setting))}
     return {}
-
-
-EXPORT_DIR = "results/{study}/{model}/{setting}/onnx/{variant}"
 
 
 def export_input(w):
     """The variant's exported ONNX, for targets whose backend builds from ONNX (onnxruntime, tensorrt)."""
     if RUN.targets[w.target].backend == "torch":
         return {}
-    return {"export": EXPORT_DIR.format(**dict(w.items())) + "/export.json"}
+    return {"export": f"{EXPORT_DIR.format(**dict(w.items()))}/export.json"}
 
 
 def target_env(w):
@@ -79,7 +99,7 @@ def target_env(w):
 
 
 def baseline_build(w):
-    return VARIANT_DIR.format(**{**dict(w.items()), "variant": study(w).baseline(w.setting)}) + "/build.json"
+    return f"{VARIANT_DIR.format(**{**dict(w.items()), 'variant': study(w).baseline(w.setting)})}/build.json"
 
 
 def reference_prefix(w):
@@ -90,11 +110,15 @@ def variant_ident(w):
     return {"target": w.target, "model": w.model, "setting": w.setting, "variant": w.variant}
 
 
+def study_targets(s):
+    """The run's targets this study uses (its `targets:`, or all of them)."""
+    return [t for t in RUN.targets if not s.targets or t in s.targets]
+
+
 def engine_files(s, name):
-    """Every per-variant artifact `name` of a study, over targets, models, settings and variants."""
-    quality_only = name == "quality.json"
+    """Every per-variant artifact `name` of a study: each engine it measures, on each of its targets."""
     return [f"results/{s.name}/{t}/{m}/{st}/{v}/{name}"
-            for t in RUN.targets for m, st in s.model_settings(quality_only) for v in s.variants]
+            for t, m, st, v in s.engines(RUN.targets, quality_only=name == "quality.json")]
 
 
 def final_targets():

@@ -1,4 +1,4 @@
-# Per variant and target: build the engine, time it beside its baseline, profile, evaluate.
+# Per variant and target: export, build the engines, time them beside the baseline's, profile, evaluate.
 # `snakemake results/<study>/<target>/<model>/<setting>/<variant>/timing.json` reruns one chain.
 
 
@@ -7,13 +7,13 @@ rule export:
         unpack(amax_input),
         checkpoint=checkpoint_json,
     output:
-        export=EXPORT_DIR + "/export.json",
+        export=f"{EXPORT_DIR}/export.json",
     params:
         ident=lambda w: {"model": w.model, "setting": w.setting, "variant": w.variant},
         family=lambda w: study(w).family,
-        window=window,
-        batch=lambda w: study(w).setting(w.setting).batch,
-        spec=lambda w: study(w).variants[w.variant].spec(window(w)),
+        setting=setting_params,
+        architecture=architecture,
+        spec=variant_spec,
         recipe=lambda w: study(w).recipe,
     log:
         "logs/{study}/{model}/{setting}/onnx/{variant}/export.log",
@@ -29,19 +29,19 @@ rule build:
         unpack(export_input),
         checkpoint=checkpoint_json,
     output:
-        build=VARIANT_DIR + "/build.json",
+        build=f"{VARIANT_DIR}/build.json",
     params:
         ident=variant_ident,
         family=lambda w: study(w).family,
         target=target_params,
-        window=window,
-        batch=lambda w: study(w).setting(w.setting).batch,
-        spec=lambda w: study(w).variants[w.variant].spec(window(w)),
+        setting=setting_params,
+        architecture=architecture,
+        spec=variant_spec,
         recipe=lambda w: study(w).recipe,
     log:
-        "logs/" + VARIANT_KEY + "/build.log",
+        f"logs/{VARIANT_KEY}/build.log",
     benchmark:
-        "benchmarks/" + VARIANT_KEY + "/build.tsv"
+        f"benchmarks/{VARIANT_KEY}/build.tsv"
     conda:
         target_env
     script:
@@ -51,22 +51,21 @@ rule build:
 rule time:
     input:
         checkpoint=checkpoint_json,
-        build=VARIANT_DIR + "/build.json",
+        build=f"{VARIANT_DIR}/build.json",
         baseline_build=baseline_build,
     output:
-        timing=VARIANT_DIR + "/timing.json",
+        timing=f"{VARIANT_DIR}/timing.json",
     params:
         ident=variant_ident,
         family=lambda w: study(w).family,
         target=target_params,
-        window=window,
-        batch=lambda w: study(w).setting(w.setting).batch,
+        setting=setting_params,
         recipe=lambda w: study(w).recipe,
         timing=lambda w: study(w).raw["timing"],
     log:
-        "logs/" + VARIANT_KEY + "/time.log",
+        f"logs/{VARIANT_KEY}/time.log",
     benchmark:
-        "benchmarks/" + VARIANT_KEY + "/time.tsv"
+        f"benchmarks/{VARIANT_KEY}/time.tsv"
     conda:
         target_env
     script:
@@ -76,21 +75,20 @@ rule time:
 rule profile:
     input:
         checkpoint=checkpoint_json,
-        build=VARIANT_DIR + "/build.json",
+        build=f"{VARIANT_DIR}/build.json",
     output:
-        kernels=VARIANT_DIR + "/kernels.json",
+        kernels=f"{VARIANT_DIR}/kernels.json",
     params:
         ident=variant_ident,
         family=lambda w: study(w).family,
         target=target_params,
-        window=window,
-        batch=lambda w: study(w).setting(w.setting).batch,
+        setting=setting_params,
         recipe=lambda w: study(w).recipe,
         calls=lambda w: study(w).raw["timing"]["calls_per_round"],
     log:
-        "logs/" + VARIANT_KEY + "/profile.log",
+        f"logs/{VARIANT_KEY}/profile.log",
     benchmark:
-        "benchmarks/" + VARIANT_KEY + "/profile.tsv"
+        f"benchmarks/{VARIANT_KEY}/profile.tsv"
     conda:
         target_env
     script:
@@ -99,26 +97,26 @@ rule profile:
 
 rule evaluate:
     input:
+        unpack(evaluation_samples),
         checkpoint=checkpoint_json,
-        build=VARIANT_DIR + "/build.json",
-        reference=lambda w: reference_prefix(w) + ".json",
-        reference_tensors=lambda w: reference_prefix(w) + ".safetensors",
-        sts=samples_json("sts"),
+        build=f"{VARIANT_DIR}/build.json",
+        reference=lambda w: f"{reference_prefix(w)}.json",
+        reference_tensors=lambda w: f"{reference_prefix(w)}.safetensors",
     output:
-        quality=VARIANT_DIR + "/quality.json",
+        quality=f"{VARIANT_DIR}/quality.json",
     params:
         ident=variant_ident,
         family=lambda w: study(w).family,
         target=target_params,
-        window=window,
-        batch=lambda w: study(w).setting(w.setting).batch,
+        setting=setting_params,
         recipe=lambda w: study(w).recipe,
         metrics=lambda w: study(w).raw["metrics"],
         seeds=lambda w: study(w).raw["seeds"],
+        samples=lambda w: list(evaluation_samples(w)),
     log:
-        "logs/" + VARIANT_KEY + "/evaluate.log",
+        f"logs/{VARIANT_KEY}/evaluate.log",
     benchmark:
-        "benchmarks/" + VARIANT_KEY + "/evaluate.tsv"
+        f"benchmarks/{VARIANT_KEY}/evaluate.tsv"
     conda:
         target_env
     script:

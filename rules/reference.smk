@@ -1,21 +1,20 @@
-# PyTorch fp32 reference outputs, and the static FP8 scales (ModelOpt calibration).
+# The reference model's outputs, and the static FP8 scales (ModelOpt calibration).
 
 
 rule reference:
     input:
+        unpack(evaluation_samples),
         checkpoint=checkpoint_json,
-        heldout=samples_json("heldout"),
-        sts=samples_json("sts"),
     output:
         json="results/{study}/{model}/{setting}/reference.json",
         tensors="results/{study}/{model}/{setting}/reference.safetensors",
     params:
         family=lambda w: study(w).family,
         model=lambda w: w.model,
-        setting=lambda w: w.setting,
-        window=window,
+        setting=setting_params,
         metrics=lambda w: study(w).raw["metrics"],
-        seed=lambda w: study(w).raw["seeds"]["masking"],
+        seeds=lambda w: study(w).raw["seeds"],
+        samples=lambda w: list(evaluation_samples(w)),
     log:
         "logs/{study}/{model}/{setting}/reference.log",
     benchmark:
@@ -27,17 +26,18 @@ rule reference:
 rule calibrate:
     input:
         checkpoint=checkpoint_json,
-        samples=lambda w: f"results/{w.study}/data/{study(w).recipe['activation_calibration']['samples']}.json",
+        samples=calibration_samples,
     output:
-        amax="results/{study}/{model}/calib/w{window}/amax.json",
+        amax="results/{study}/{model}/calib/{setting}/amax.json",
     params:
         family=lambda w: study(w).family,
         model=lambda w: w.model,
-        window=lambda w: int(w.window),
+        setting=setting_params,
+        architecture=architecture,
         recipe=lambda w: study(w).recipe,
     log:
-        "logs/{study}/{model}/calib/w{window}/calibrate.log",
+        "logs/{study}/{model}/calib/{setting}/calibrate.log",
     benchmark:
-        "benchmarks/{study}/{model}/calib/w{window}/calibrate.tsv"
+        "benchmarks/{study}/{model}/calib/{setting}/calibrate.tsv"
     script:
         "../scripts/calibrate.py"

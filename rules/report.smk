@@ -8,14 +8,15 @@ rule aggregate:
         kernels=lambda w: engine_files(study(w), "kernels.json"),
         qualities=lambda w: engine_files(study(w), "quality.json"),
         references=lambda w: [f"results/{w.study}/{m}/{s}/reference.json" for m, s in study(w).model_settings(True)],
-        amax=lambda w: [f"results/{w.study}/{m}/calib/w{win}/amax.json" for m in study(w).models for win in study(w).windows(m)],
+        amax=lambda w: [amax_json(w.study, m, s) for m in study(w).models for s in study(w).calibration_settings(m)],
         checkpoints=lambda w: [f"results/{w.study}/{m}/checkpoint.json" for m in study(w).models],
     output:
         tables="results/{study}/tables.json",
     params:
         study=lambda w: study(w).raw,
+        baselines=lambda w: study(w).baselines(),
         run={"name": RUN.name, "weights": RUN.weights, "note": config["run"].get("note", "")},
-        targets=lambda w: {n: vars(t) for n, t in RUN.targets.items()},
+        targets=lambda w: {n: vars(RUN.targets[n]) for n in study_targets(study(w))},
     log:
         "logs/{study}/aggregate.log",
     benchmark:

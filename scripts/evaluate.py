@@ -2,6 +2,8 @@
 from quantstudy import steps
 
 with steps.logged(snakemake.log[0]):
+    params = dict(snakemake.params.items())
+    samples = {name: snakemake.input[name] for name in params.pop("samples")}
     steps.evaluate(checkpoint_json=snakemake.input.checkpoint, build_json=snakemake.input.build,
                    reference_json=snakemake.input.reference, reference_tensors=snakemake.input.reference_tensors,
-                   sts_json=snakemake.input.sts, out=snakemake.output.quality, **snakemake.params)
+                   samples_jsons=samples, out=snakemake.output.quality, **params)

@@ -1,7 +1,8 @@
-"""Rule reference: PyTorch fp32 outputs on the evaluation samples."""
+"""Rule reference: the reference model's outputs on the evaluation samples."""
 from quantstudy import steps
 
 with steps.logged(snakemake.log[0]):
-    steps.reference(checkpoint_json=snakemake.input.checkpoint, heldout_json=snakemake.input.heldout,
-                    sts_json=snakemake.input.sts, out_json=snakemake.output.json,
-                    out_tensors=snakemake.output.tensors, **snakemake.params)
+    params = dict(snakemake.params.items())
+    samples = {name: snakemake.input[name] for name in params.pop("samples")}
+    steps.reference(checkpoint_json=snakemake.input.checkpoint, samples_jsons=samples,
+                    out_json=snakemake.output.json, out_tensors=snakemake.output.tensors, **params)

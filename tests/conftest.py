@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,14 @@ from quantstudy import config as qc, steps
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_CONFIG = ROOT / ".test" / "config.yaml"
+
+
+def skip_without_gpu(reason: str) -> None:
+    """Skip a test that needs a GPU this machine lacks; with QUANTSTUDY_REQUIRE_GPU=1 (GPU evidence
+    runs), fail instead, so that a GPU path cannot go unnoticed where a GPU should be."""
+    if os.environ.get("QUANTSTUDY_REQUIRE_GPU"):
+        pytest.fail(f"QUANTSTUDY_REQUIRE_GPU is set, but {reason}")
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +41,19 @@ def tiny_inputs(tmp_path_factory, test_run):
                         str(out / "checkpoint.json"), str(out / "calibration.json"))
     return {"dir": out, "study": study, "checkpoint": out / "checkpoint.json",
             "calibration": out / "calibration.json"}
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The contract suite's families x backends, as they ran here (passed, or skipped with why)."""
+    import sys
+
+    contract = sys.modules.get("test_contract")
+    results = getattr(contract, "RESULTS", [])
+    if not results:
+        return
+    families = sorted({f for f, _, _ in results})
+    backends = list(dict.fromkeys(b for _, b, _ in results))
+    terminalreporter.section("family contract: families x backends")
+    for f in families:
+        outcome = {b: sorted({o for ff, bb, o in results if ff == f and bb == b}) for b in backends}
+        terminalreporter.line(f"{f:18s} " + "  ".join(f"{b}: {'/'.join(outcome[b]) or '-'}" for b in backends))

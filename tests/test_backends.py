@@ -16,6 +16,9 @@ import pytest
 import torch
 
 from quantstudy import backends, config, export, families, quantization
+from quantstudy.families.base import Setting
+
+from conftest import skip_without_gpu
 
 RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
           "dequantize_dtype": "float16"}
@@ -47,9 +50,9 @@ def _backend(name: str):
     if not ok:
         pytest.skip(f"backend {module} does not import here: {why}")
     if name in ON_GPU and not torch.cuda.is_available():
-        pytest.skip(f"backend {name} needs a CUDA GPU; torch sees none here")
+        skip_without_gpu(f"backend {name} needs a CUDA GPU; torch sees none here")
     if name == "torch-cuda" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("torch-cuda needs FP8 GEMMs (compute capability 8.9+)")
+        skip_without_gpu("torch-cuda needs FP8 GEMMs (compute capability 8.9+)")
     return backends.get(module)
 
 
@@ -85,7 +88,7 @@ def _amax(model: torch.nn.Module, ids: torch.Tensor) -> dict:
                 amax[name]["input_amax"] = max(amax[name]["input_amax"], float(inp[0].abs().max()))
             hooks.append(m.register_forward_hook(hook))
     with torch.no_grad():
-        model(ids)
+        model(input_ids=ids)
     for h in hooks:
         h.remove()
     return {"amax": amax, "outliers": {"layers": []}}
@@ -96,21 +99,24 @@ class Case:
 
     def __init__(self, checkpoint, model: str, variant: str, window: int, tmp):
         fam = families.get("fnet")
-        self.checkpoint, self.spec, self.window, self.tmp = checkpoint, VARIANTS[variant], window, tmp
-        self.ids = fam.stress_inputs(fam.tokenizer(checkpoint), window, 4, seed=0)["input_ids"]
-        self.amax = _amax(fam.feature_model(checkpoint, window), self.ids)
+        self.checkpoint, self.spec, self.tmp = checkpoint, VARIANTS[variant], tmp
+        self.setting = Setting(f"w{window}", 1, {"window": window})
+        self.ids = fam.stress_inputs(fam.processor(checkpoint), window, 4, seed=0)["input_ids"]
+        self.amax = _amax(fam.module(checkpoint, "main", self.setting), self.ids)
         self.module = self.fresh()
         with torch.no_grad():
-            self.expected = torch.cat([self.module(self.ids[i:i + 1]) for i in range(len(self.ids))]).float()
+            self.expected = torch.cat([self.module(input_ids=self.ids[i:i + 1])["features"]
+                                       for i in range(len(self.ids))]).float()
         self._onnx = None
 
     def fresh(self) -> torch.nn.Module:
-        model = families.get("fnet").feature_model(self.checkpoint, self.window)
-        return quantization.apply_variant(model, self.spec, RECIPE, self.amax)[0]
+        fam = families.get("fnet")
+        model = fam.module(self.checkpoint, "main", self.setting)
+        return quantization.apply_variant(model, self.spec, RECIPE, self.amax, fam.transforms())[0]
 
     def onnx(self) -> str:
         if self._onnx is None:
-            self._onnx = export.export(self.fresh(), self.ids[:1], self.tmp / "onnx")["onnx"]
+            self._onnx = export.export(self.fresh(), {"input_ids": self.ids[:1]}, self.tmp / "onnx")["onnx"]
         return self._onnx
 
 
@@ -130,14 +136,15 @@ def _run(name: str, case: Case, tmp) -> tuple[torch.Tensor, object]:
     """Build the case's engine on a backend, open it at batch 1, run all inputs through it."""
     backend = _backend(name)
     target = _target(name)
+    example = {"input_ids": case.ids[:1]}
     if getattr(backend, "INPUT", "module") == "onnx":
         info = backend.build(case.onnx(), tmp, target)
-        runner = backend.open(tmp, case.ids[:1], target, None)
+        runner = backend.open(tmp, example, target, None)
     else:
         info = backend.build(case.fresh(), tmp)
-        runner = backend.open(tmp, case.ids[:1], target, case.fresh())
+        runner = backend.open(tmp, example, target, case.fresh())
     assert info["engine_bytes"] > 0
-    return runner(case.ids).float().cpu(), runner
+    return runner({"input_ids": case.ids})["features"].float().cpu(), runner
 
 
 def _tolerance(name: str, spec: dict) -> float:
@@ -168,7 +175,7 @@ def test_backend_matches_torch_fake_quant(backend, model, variant, cases, tmp_pa
     got, runner = _run(backend, case, tmp_path)
     want = case.expected
     if backend == "torch":  # the very module: at the expected rows' shape (batch 1), bit for bit
-        assert torch.equal(runner(case.ids[:1]).float(), want[:1])
+        assert torch.equal(runner({"input_ids": case.ids[:1]})["features"].float(), want[:1])
     assert got.shape == want.shape
     assert torch.isfinite(want).all(), "at 128 tokens every variant of the tiny models is finite"
     diff = (got - want).abs()
@@ -216,7 +223,7 @@ def test_runner_interface(backend, cases, tmp_path):
     runner.synchronize()
     assert runner.device.type == ("cuda" if backend in ON_GPU else "cpu")
     five = torch.cat([case.ids, case.ids[:1]])
-    out = runner(five).float().cpu()
+    out = runner({"input_ids": five})["features"].float().cpu()
     assert out.shape[0] == 5
     assert torch.equal(out[4], out[0])
 
@@ -229,7 +236,7 @@ def test_kernel_profile_groups(backend, cases, tmp_path):
     case = cases("fnet-base", "fp8")
     _, runner = _run(backend, case, tmp_path)
     fam = families.get("fnet")
-    result = runner.kernel_profile(2, lambda *a: fam.kernel_group(*a, window=WINDOW), quantization.FP8_REGION)
+    result = runner.kernel_profile(2, lambda *a: fam.kernel_group(*a, setting=case.setting), quantization.FP8_REGION)
     assert set(result["groups_ms"]) <= set(fam.kernel_groups)
     for group in ("FP8 feed-forward GEMMs", "sequence-axis DFT", "other GEMMs"):
         assert result["groups_ms"].get(group, 0) > 0, group
@@ -257,7 +264,7 @@ def test_tensorrt_timing_cache_keeps_every_builds_tactics(cases, tmp_path):
         backend.build(cases("fnet-base", variant).onnx(), tmp_path / f"engine-{variant}", target)
         files[variant] = backend.timing_cache_path(target)
         sizes[variant] = files[variant].stat().st_size
-    config = backend.trt.Builder(backend.trt.Logger()).create_builder_config()
+    config = backend.trt.Builder(backend.LOGGER).create_builder_config()
     fp8_cache = config.create_timing_cache(files["fp8"].read_bytes())
     backend._save_timing_cache(config, fp8_cache, files["fp16"])  # the fp8 build saving second
     assert files["fp16"].stat().st_size > max(sizes.values())

@@ -13,6 +13,7 @@ from onnx import TensorProto, numpy_helper
 from torch import nn
 
 from quantstudy import config, export, families, quantization
+from quantstudy.families.base import Setting
 
 ort = pytest.importorskip("onnxruntime", reason="ONNX Runtime runs the exported graphs")
 
@@ -29,7 +30,7 @@ class OneLayer(nn.Module):
         self.block.dense = layer
 
     def forward(self, x):
-        return self.block.dense(x)
+        return {"y": self.block.dense(x)}
 
 
 def _fp8_layer(dq: torch.dtype, work: torch.dtype, seed: int = 0) -> OneLayer:
@@ -45,7 +46,7 @@ def _nodes(path):
 
 def _run_ort(path, x: torch.Tensor) -> torch.Tensor:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return torch.from_numpy(session.run(None, {export.INPUT_NAME: x.numpy()})[0])
+    return torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
 
 
 @pytest.mark.parametrize("dq,work", [(torch.float16, torch.float16), (torch.float32, torch.float16),
@@ -56,8 +57,8 @@ def test_one_fp8_layer_matches_fake_quant(dq, work, tmp_path):
     model = _fp8_layer(dq, work)
     x = (torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1)) * 1.5).to(work)
     with torch.no_grad():
-        want = model(x).float()
-    got = _run_ort(export.export(model, x, tmp_path)["onnx"], x).float()
+        want = model(x)["y"].float()
+    got = _run_ort(export.export(model, {"x": x}, tmp_path)["onnx"], x).float()
     assert got.dtype == want.dtype
     ulp = torch.finfo(torch.float16 if torch.float16 in (dq, work) else torch.float32).eps
     assert (got - want).abs().max() <= 2 * ulp * want.abs().max()
@@ -68,7 +69,7 @@ def test_qdq_structure_of_one_layer(tmp_path):
     FP8 weight initializer -> DequantizeLinear(fp16); float8e4m3fn zero point; scales from the layer."""
     model = _fp8_layer(torch.float16, torch.float16)
     layer = model.block.dense
-    path = export.export(model, torch.randn(1, 4, 32).half(), tmp_path)["onnx"]
+    path = export.export(model, {"x": torch.randn(1, 4, 32).half()}, tmp_path)["onnx"]
     graph = onnx.load(str(path)).graph
     inits = {i.name: i for i in graph.initializer}
     nodes = _nodes(path)
@@ -96,7 +97,7 @@ def test_qdq_structure_of_one_layer(tmp_path):
 def test_fp16_dequantize_in_fp32_graph_quantizes_the_fp32_activation(tmp_path):
     """fp32 work, fp16 Dequantize: Q takes the fp32 activation (no fp16 rounding before FP8),
     with the scale as an fp32 initializer; the DQ scales stay fp16."""
-    path = export.export(_fp8_layer(torch.float16, torch.float32), torch.randn(1, 4, 32), tmp_path)["onnx"]
+    path = export.export(_fp8_layer(torch.float16, torch.float32), {"x": torch.randn(1, 4, 32)}, tmp_path)["onnx"]
     inits = {i.name: i for i in onnx.load(str(path)).graph.initializer}
     nodes = _nodes(path)
     q, dq = nodes["block.dense.input_quantizer/QuantizeLinear"], nodes["block.dense.input_quantizer/DequantizeLinear"]
@@ -107,7 +108,7 @@ def test_fp16_dequantize_in_fp32_graph_quantizes_the_fp32_activation(tmp_path):
 
 def test_fp32_dequantize_casts_before_quantize(tmp_path):
     """fp32 Dequantize in an fp16 graph: the fp16 activation is cast to fp32, the scales are fp32."""
-    path = export.export(_fp8_layer(torch.float32, torch.float16), torch.randn(1, 4, 32).half(), tmp_path)["onnx"]
+    path = export.export(_fp8_layer(torch.float32, torch.float16), {"x": torch.randn(1, 4, 32).half()}, tmp_path)["onnx"]
     graph = onnx.load(str(path)).graph
     inits = {i.name: i for i in graph.initializer}
     nodes = _nodes(path)
@@ -119,7 +120,7 @@ def test_fp32_dequantize_casts_before_quantize(tmp_path):
 
 def test_opset_below_19_is_refused(tmp_path):
     with pytest.raises(ValueError, match="opset >= 19"):
-        export.export(_fp8_layer(torch.float16, torch.float16), torch.randn(1, 4, 32).half(), tmp_path, opset=18)
+        export.export(_fp8_layer(torch.float16, torch.float16), {"x": torch.randn(1, 4, 32).half()}, tmp_path, opset=18)
 
 
 @pytest.fixture(scope="module")
@@ -133,16 +134,17 @@ def tiny_fnet(tmp_path_factory):
 
 
 def _fnet_variant(fam, folder, spec, window=64):
-    model = fam.feature_model(folder, window)
+    model = fam.module(folder, "main", Setting(f"w{window}", 1, {"window": window}))
     amax = {n: {"input_amax": 4.0, "weight_amax": 0.1} for n in quantization.linear_names(model)}
-    return quantization.apply_variant(model, spec, RECIPE, {"amax": amax, "outliers": {"layers": []}})
+    return quantization.apply_variant(model, spec, RECIPE, {"amax": amax, "outliers": {"layers": []}},
+                                      fam.transforms())
 
 
 def test_fnet_fp8_graph_follows_the_recipe(tiny_fnet, tmp_path):
     """Q/DQ exactly on the recipe's layers, named after them; nothing else quantized."""
     fam, folder = tiny_fnet
     model, summary = _fnet_variant(fam, folder, {"precision": "float16", "transforms": [{"fp8": {}}]})
-    info = export.export(model, torch.ones(1, 64, dtype=torch.long), tmp_path)
+    info = export.export(model, {"input_ids": torch.ones(1, 64, dtype=torch.long)}, tmp_path)
     assert info["fp8_layers"] == summary["fp8_layers"] == [
         f"fnet.encoder.layer.{i}.{p}.dense" for i in (0, 1) for p in ("intermediate", "output")]
     nodes = _nodes(info["onnx"])
@@ -150,14 +152,14 @@ def test_fnet_fp8_graph_follows_the_recipe(tiny_fnet, tmp_path):
     assert info["op_counts"]["QuantizeLinear"] == 4 and info["op_counts"]["DequantizeLinear"] == 8
     assert not any(n.startswith("fnet.embeddings") and "Linear" in nodes[n].op_type for n in nodes)
     assert info["inputs"] == [{"name": "input_ids", "dtype": "int64", "shape": [1, 64]}]
-    assert info["outputs"][0]["dtype"] == "float16"
+    assert info["outputs"][0]["name"] == "features" and info["outputs"][0]["dtype"] == "float16"
 
 
 def test_fnet_fp16_graph_keeps_the_sequence_dft_in_fp32(tiny_fnet, tmp_path):
     """fp16 is an fp16 graph, except where the family computes in fp32: the sequence-axis DFT."""
     fam, folder = tiny_fnet
     model, _ = _fnet_variant(fam, folder, {"precision": "float16", "transforms": []})
-    path = export.export(model, torch.ones(1, 64, dtype=torch.long), tmp_path)["onnx"]
+    path = export.export(model, {"input_ids": torch.ones(1, 64, dtype=torch.long)}, tmp_path)["onnx"]
     graph = onnx.shape_inference.infer_shapes(onnx.load(str(path))).graph
     dtypes = {v.name: v.type.tensor_type.elem_type for v in list(graph.value_info) + list(graph.output)}
     mixing = [n for n in graph.node if n.name.startswith("fnet.encoder.layer.0.fourier.self/MatMul")]

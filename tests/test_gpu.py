@@ -13,11 +13,19 @@ from quantstudy import quantization as qz, timing as qt
 from quantstudy.backends import torch_backend
 from quantstudy.config import load_architecture
 from quantstudy.families import get as family
+from quantstudy.families.base import Setting
+
+from conftest import skip_without_gpu
 
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not FP8_GPU, reason="needs a CUDA GPU with FP8 GEMMs (compute capability 8.9+, e.g. H100/H200/L40S); "
-                        "this machine has " + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"))]
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fp8_gpu():
+    if not FP8_GPU:
+        skip_without_gpu("needs a CUDA GPU with FP8 GEMMs (compute capability 8.9+, e.g. H100/H200/L40S); this "
+                         "machine has " + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"))
 
 RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
           "dequantize_dtype": "float16"}
@@ -55,11 +63,11 @@ def _tiny_fnet(variant: str, window: int = 256):
     from transformers import FNetForPreTraining
 
     ref = FNetForPreTraining(fam.hf_config(load_architecture("tiny-fnet-base"))).eval()
-    model = fam.feature_model(None, window, reference=ref)
+    model = fam.module(None, "main", Setting(f"w{window}", 1, {"window": window}), reference=ref)
     layers = qz.select(qz.linear_names(model), RECIPE["quantize"])
     amax = {"amax": {n: {"input_amax": 6.0, "weight_amax": 0.1} for n in layers}, "outliers": {"layers": []}}
     spec = {"precision": "float16", "transforms": [{"fp8": {}}] if variant == "fp8" else []}
-    model, _ = qz.apply_variant(model, spec, RECIPE, amax)
+    model, _ = qz.apply_variant(model, spec, RECIPE, amax, fam.transforms())
     return fam, model
 
 
@@ -68,21 +76,21 @@ def fp8_runner():
     fam, model = _tiny_fnet("fp8")
     model = model.cuda()
     qz.use_fp8_gemm(model, "cuda")
-    ids = torch.randint(5, 500, (1, 256))
-    eager = model(ids.cuda()).float()
+    ids = {"input_ids": torch.randint(5, 500, (1, 256))}
+    eager = model(input_ids=ids["input_ids"].cuda())["features"].float()
     return fam, torch_backend.Runner(model, ids, "cuda", compile=True), ids, eager
 
 
 def test_runner_compiles_and_replays_a_cuda_graph(fp8_runner):
     _, runner, ids, eager = fp8_runner
     assert runner.graph is not None and len(runner.fp8_gemm) == 4
-    out = runner(ids).float()
+    out = runner(ids)["features"].float()
     torch.testing.assert_close(out, eager, rtol=2e-2, atol=2e-2)
     other = torch.randint(5, 500, (1, 256))
-    runner.static_input.copy_(other.cuda())
+    runner.static_inputs["input_ids"].copy_(other.cuda())
     runner.replay()
     runner.synchronize()
-    assert not torch.equal(runner.static_output.float(), out.cuda())  # the graph reads its static input
+    assert not torch.equal(runner.static_outputs["features"].float(), out.cuda())  # the graph reads its static input
     result = qt.time_interleaved({"a": runner, "b": runner}, warmup=2, rounds=3, calls=5)
     assert result["a"]["median_ms"] > 0 and len(result["a"]["samples_ms"]) == 3
 
@@ -101,7 +109,7 @@ def test_kernel_profile_has_the_write_up_groups(fp8_runner):
     import functools
 
     fam, runner, _, _ = fp8_runner
-    classify = functools.partial(fam.kernel_group, window=256)
+    classify = functools.partial(fam.kernel_group, setting=Setting("w256", 1, {"window": 256}))
     prof = qt.kernel_profile(runner, 5, classify, set(fam.regions) | {qz.FP8_REGION})
     print(prof["groups_ms"])
     for k in prof["top_kernels"]:
@@ -113,6 +121,6 @@ def test_kernel_profile_has_the_write_up_groups(fp8_runner):
 
 def test_fp16_variant_has_no_fp8_kernels():
     _, model = _tiny_fnet("fp16")
-    runner = torch_backend.Runner(model.cuda(), torch.randint(5, 500, (1, 256)), "cuda", compile=True)
+    runner = torch_backend.Runner(model.cuda(), {"input_ids": torch.randint(5, 500, (1, 256))}, "cuda", compile=True)
     proof = qt.fp8_proof(runner)
     assert proof["fp8_gemm_layers"] == 0 and proof["kernels"] == []

@@ -44,11 +44,51 @@ def test_failing_variant_is_rendered_and_the_others_complete(workflow_copy):
 
 def test_fp16_overflow_at_512_is_measured(workflow_copy):
     tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
-    issue = tables["known_issue"][0]
-    assert issue["window"] == 512 and issue["peak"] > issue["fp16_max"]
+    issue = tables["references"][0]
+    assert issue["window"] == 512 and issue["mixing_peak.max"] > issue["mixing_peak.fp16_max"]
     quality = {r["variant"]: r for r in tables["quality"]}
-    assert quality["fp16"]["nonfinite_heldout"] == quality["fp16"]["heldout"] > 0
+    assert quality["fp16"]["nonfinite.heldout"] == quality["fp16"]["nonfinite.heldout.of"] > 0
     assert quality["fp16-hs"]["nonfinite"] == 0
+
+
+def _table_rows(readme: str, header: str) -> list[list[str]]:
+    """The body rows of the README table whose header line starts with `header`, as cells."""
+    lines = readme.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def test_each_setting_is_compared_with_its_own_baseline(workflow_copy):
+    """At 512 tokens the baseline is fp16-hs (fp16 returns NaN there): the kernel table and the
+    summary's baseline column use it, not the default fp16. (It was lost once the config's integer
+    window keys became strings in tables.json.)"""
+    readme = (workflow_copy / "results/fnet/README.md").read_text()
+    kernel_rows = _table_rows(readme, "| Model, window | Target | Variant | sequence-axis DFT")
+    assert [r[2] for r in kernel_rows] == ["fp16-hs", "fp8"]
+    tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
+    hs_top1 = next(r for r in tables["quality"] if r["variant"] == "fp16-hs")["mlm.top1_agreement"]
+    summary = {r[0]: r for r in _table_rows(readme, "| Item | baseline |")}
+    assert summary["Masked-LM top-1 agreement with PyTorch fp32"][1] == f"{100 * hs_top1:.2f}%"
+
+
+def test_a_failed_first_kernel_row_renders(workflow_copy):
+    """The kernel table's columns come from the study, not from its first row, which may be a failure."""
+    from quantstudy import render
+
+    tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
+    first = tables["kernels"][0]
+    tables["kernels"][0] = {k: first[k] for k in ("target", "model", "setting", "variant", "source")} | {
+        "status": "failed", "error": "RuntimeError: profiler crashed"}
+    section = render.render_section(tables)  # raised on a failed first row before
+    assert "RuntimeError: profiler crashed" in section
+    header = next(line for line in section.splitlines() if line.startswith("| Model, window | Target | Variant |")
+                  and "total" in line)
+    assert all(g in header for g in tables["kernel_groups"]) and tables["kernel_groups"]
 
 
 def test_noop_rerun_does_nothing(workflow_copy):

@@ -1,7 +1,7 @@
 """Backends: one interface, three implementations (torch, onnxruntime, tensorrt).
 
-A backend turns a prepared model into an engine (`build`), loads it (`load`), and gives a
-runner that maps input ids to features. Timing and profiling go through the runner, so the
+A backend turns a prepared graph (a module, or its exported ONNX) into an engine (`build`) and
+opens it as a runner that maps named inputs to named outputs. Timing and profiling go through the runner, so the
 same contract tests run against every backend importable on the machine. Backends never
 import a family: the study steps hand them a module or an ONNX file.
 """
@@ -19,9 +19,16 @@ _MODULES = {"torch": "quantstudy.backends.torch_backend",
 
 
 class Runner(Protocol):
-    """A loaded engine at a fixed input shape: `runner(input_ids) -> features`."""
+    """A loaded engine: `runner({input: tensor}) -> {output: tensor}`; `replay()` runs one call on the
+    example inputs it was opened with (no data transfer), `synchronize()` waits for the device."""
 
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    device: torch.device
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def replay(self) -> None: ...
+
+    def synchronize(self) -> None: ...
 
 
 def get(name: str):

@@ -59,8 +59,9 @@ def _place(onnx_path: Path, out_dir: Path) -> Path:
     return out_dir / ENGINE_FILE
 
 
-def build(onnx_path: str | Path, out_dir: str | Path, target: dict[str, Any]) -> dict[str, Any]:
-    """Place the ONNX as the engine and open a session on it (a graph ORT rejects fails here)."""
+def build(onnx_path: str | Path, out_dir: str | Path, target: dict[str, Any], profile=None) -> dict[str, Any]:
+    """Place the ONNX as the engine and open a session on it (a graph ORT rejects fails here).
+    ONNX Runtime takes any shape a dynamic graph allows: `profile` (TensorRT's) is not needed."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     engine = _place(Path(onnx_path), out_dir)
@@ -71,50 +72,70 @@ def build(onnx_path: str | Path, out_dir: str | Path, target: dict[str, Any]) ->
                             "graph_optimization_level": str(_session_options(target).graph_optimization_level)}}
 
 
-def open(out_dir: str | Path, example: torch.Tensor, target: dict[str, Any], skeleton=None) -> "Runner":
-    """The engine in `out_dir` as a runner at the example's shape (the ONNX's static shape)."""
+def open(out_dir: str | Path, example: dict[str, torch.Tensor], target: dict[str, Any], skeleton=None) -> "Runner":
+    """The engine in `out_dir` as a runner at the example inputs' shapes."""
     return Runner(Path(out_dir) / ENGINE_FILE, example, target)
 
 
-class Runner:
-    """An ONNX Runtime session at the graph's static input shape."""
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+                "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
+                "tensor(uint8)": np.uint8, "tensor(int8)": np.int8}
 
-    def __init__(self, engine: Path, example: torch.Tensor, target: dict[str, Any]):
+
+class Runner:
+    """An ONNX Runtime session on named inputs; timing replays the example inputs by I/O binding.
+
+    A graph with a static batch takes more rows in chunks of that batch (the last one padded by
+    repeating its last row); a dynamic graph takes any shape in one call.
+    """
+
+    def __init__(self, engine: Path, example: dict[str, torch.Tensor], target: dict[str, Any]):
         self.engine, self.target = engine, target
         self.device = torch.device("cpu")
         self.session = ort.InferenceSession(str(engine), _session_options(target), providers=PROVIDERS)
-        inp, out = self.session.get_inputs()[0], self.session.get_outputs()[0]
-        self.input_name, self.output_name = inp.name, out.name
-        self.shape = tuple(inp.shape)
-        if tuple(example.shape[1:]) != self.shape[1:]:
-            raise ValueError(f"{engine} takes input of shape {self.shape}, the example is {tuple(example.shape)}")
-        self.static_input = self._fit(example)[0]
-        # Replay binds the static input and a preallocated output: no allocation, no copy per call.
+        self.input_shapes = {i.name: i.shape for i in self.session.get_inputs()}
+        self.input_types = {i.name: _NUMPY_TYPES[i.type] for i in self.session.get_inputs()}
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        if set(example) != set(self.input_shapes):
+            raise ValueError(f"{engine} takes inputs {sorted(self.input_shapes)}, the example has {sorted(example)}")
+        batch = {s[0] for s in self.input_shapes.values() if s and isinstance(s[0], int)}
+        self.static_batch = batch.pop() if len(batch) == 1 else None  # None: a dynamic batch
+        self.static_inputs = self._numpy(example)
+        # Replay binds the inputs and preallocated outputs: no allocation, no copy per call.
         self._binding = self.session.io_binding()
-        self._binding.bind_cpu_input(self.input_name, self.static_input)
-        self._binding.bind_output(self.output_name, "cpu")
+        for name, value in self.static_inputs.items():
+            self._binding.bind_cpu_input(name, value)
+        for name in self.output_names:
+            self._binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(self._binding)
-        self.static_output = self._binding.get_outputs()[0]
-        self._binding.bind_ortvalue_output(self.output_name, self.static_output)
+        for name, value in zip(self.output_names, self._binding.get_outputs()):
+            self._binding.bind_ortvalue_output(name, value)
 
-    def _fit(self, ids: torch.Tensor) -> list[np.ndarray]:
-        """Rows in chunks of the graph's static batch; the last chunk padded by repeating its last row."""
-        a = ids.detach().cpu().numpy().astype(np.int64)
-        b = self.shape[0]
+    def _numpy(self, inputs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        """Inputs as the graph's declared types (an fp16 graph's image or KV cache is fp16)."""
+        return {k: np.ascontiguousarray(v.detach().cpu().numpy().astype(self.input_types[k], copy=False))
+                for k, v in inputs.items()}
+
+    def _chunks(self, inputs: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        rows = next(iter(inputs.values())).shape[0]
+        b = self.static_batch or rows
         chunks = []
-        for i in range(0, a.shape[0], b):
-            c = a[i:i + b]
-            if c.shape[0] < b:
-                c = np.concatenate([c, np.repeat(c[-1:], b - c.shape[0], axis=0)])
-            chunks.append(np.ascontiguousarray(c))
+        for i in range(0, rows, b):
+            c = {k: v[i:i + b] for k, v in inputs.items()}
+            n = next(iter(c.values())).shape[0]
+            if n < b:
+                c = {k: np.concatenate([v, np.repeat(v[-1:], b - n, axis=0)]) for k, v in c.items()}
+            chunks.append({k: np.ascontiguousarray(v) for k, v in c.items()})
         return chunks
 
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        outs = [self.session.run([self.output_name], {self.input_name: c})[0] for c in self._fit(input_ids)]
-        return torch.from_numpy(np.concatenate(outs)[:input_ids.shape[0]])
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows = next(iter(inputs.values())).shape[0]
+        outs = [self.session.run(self.output_names, c) for c in self._chunks(self._numpy(inputs))]
+        return {name: torch.from_numpy(np.concatenate([o[i] for o in outs])[:rows])
+                for i, name in enumerate(self.output_names)}
 
     def replay(self) -> None:
-        """One timed call on the bound static input."""
+        """One timed call on the bound example inputs."""
         self.session.run_with_iobinding(self._binding)
 
     def synchronize(self) -> None:
@@ -136,7 +157,7 @@ class Runner:
             session = ort.InferenceSession(str(self.engine), _session_options(self.target, f"{tmp}/ort"),
                                            providers=PROVIDERS)
             for _ in range(calls + 1):  # the first call warms up and is dropped
-                session.run(None, {self.input_name: self.static_input})
+                session.run(None, self.static_inputs)
             events = _profile_events(session.end_profiling())
         events = events[len(events) // (calls + 1):]
         fp8_layers = _fp8_layers_of(self.engine)

@@ -28,7 +28,12 @@ GEMM = re.compile(r"gemm|matmul|matrixmultiply|convolution|cask|fc", re.I)
 
 
 class ErrorCollector(trt.ILogger):
-    """A logger that keeps TensorRT's errors (and warnings) so that a failure carries its text."""
+    """A logger that keeps TensorRT's errors (and warnings) so that a failure carries its text.
+
+    TensorRT keeps one logger per process (a second ILogger is ignored while a builder or runtime
+    made with the first is alive), so there is one instance, `LOGGER`; an operation reads the
+    messages logged since it started (`since`).
+    """
 
     def __init__(self, min_severity: "trt.ILogger.Severity" = trt.ILogger.Severity.WARNING):
         trt.ILogger.__init__(self)
@@ -41,6 +46,21 @@ class ErrorCollector(trt.ILogger):
             self.errors.append(msg)
         elif severity == trt.ILogger.Severity.WARNING:
             self.warnings.append(msg)
+
+    def mark(self) -> tuple[int, int]:
+        return len(self.errors), len(self.warnings)
+
+    def since(self, mark: tuple[int, int]) -> tuple[list[str], list[str]]:
+        return self.errors[mark[0]:], self.warnings[mark[1]:]
+
+
+LOGGER = ErrorCollector()
+
+
+def _check(ok: bool, what: str, mark: tuple[int, int]) -> None:
+    """TensorRT reports many failures as a False return value: make each one an error with its text."""
+    if not ok:
+        raise BuildError(f"TensorRT: {what} failed:\n" + "\n".join(LOGGER.since(mark)[0] or ["(no error text)"]))
 
 
 class BuildError(RuntimeError):
@@ -80,7 +100,8 @@ def _save_timing_cache(config: "trt.IBuilderConfig", cache: "trt.ITimingCache", 
 
     with file_lock(path.with_name(path.name + ".lock")):
         if path.exists():
-            cache.combine(config.create_timing_cache(path.read_bytes()), False)  # same GPU and version
+            mark = LOGGER.mark()  # same GPU and version, so a mismatch is an error
+            _check(cache.combine(config.create_timing_cache(path.read_bytes()), False), "combining timing caches", mark)
         _atomic_bytes(path, bytes(cache.serialize()))
 
 
@@ -92,21 +113,25 @@ def _require_version(target: dict[str, Any]) -> None:
                          f"{trt.__version__}: run it in {target.get('env') or 'its own environment'}")
 
 
-def build(onnx_path: str | Path, out_dir: str | Path, target: dict[str, Any]) -> dict[str, Any]:
-    """Parse the ONNX into a strongly typed network, build the plan, inspect what runs in FP8."""
+def build(onnx_path: str | Path, out_dir: str | Path, target: dict[str, Any],
+          profile: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] | None = None) -> dict[str, Any]:
+    """Parse the ONNX into a strongly typed network, build the plan, inspect what runs in FP8.
+
+    `profile` gives (min, opt, max) shapes for each dynamic input: one optimization profile.
+    """
     _require_gpu()
     _require_version(target)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     builder_opts = target.get("builder") or {}
-    logger = ErrorCollector()
-    builder = trt.Builder(logger)
+    mark = LOGGER.mark()
+    builder = trt.Builder(LOGGER)
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
+    parser = trt.OnnxParser(network, LOGGER)
     if not parser.parse_from_file(str(onnx_path)):
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
-        raise BuildError(f"TensorRT could not parse {onnx_path}:\n" + "\n".join(errors + logger.errors))
+        raise BuildError(f"TensorRT could not parse {onnx_path}:\n" + "\n".join(errors + LOGGER.since(mark)[0]))
 
     config = builder.create_builder_config()
     level = int(builder_opts.get("optimization_level", 3))  # TensorRT's default is 3
@@ -114,32 +139,39 @@ def build(onnx_path: str | Path, out_dir: str | Path, target: dict[str, Any]) ->
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # the inspector sees every layer's types
     if "workspace_bytes" in builder_opts:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(builder_opts["workspace_bytes"]))
+    if profile:
+        opt = builder.create_optimization_profile()
+        for name, (lo, mid, hi) in profile.items():
+            opt.set_shape(name, lo, mid, hi)
+        if config.add_optimization_profile(opt) < 0:
+            raise BuildError(f"TensorRT rejected the optimization profile {profile}:\n" + "\n".join(LOGGER.since(mark)[0]))
     cache_path = timing_cache_path(target)
     cache_in = cache_path.read_bytes() if cache_path.exists() else b""
     cache = config.create_timing_cache(cache_in)
-    config.set_timing_cache(cache, False)  # False: a cache from another device or version is an error
+    _check(config.set_timing_cache(cache, False), "set_timing_cache", mark)  # False: another device's cache is an error
 
     start = time.perf_counter()
     plan = builder.build_serialized_network(network, config)
     build_s = time.perf_counter() - start
     if plan is None:
-        raise BuildError("TensorRT could not build the engine:\n" + "\n".join(logger.errors or ["(no error text)"]))
+        raise BuildError("TensorRT could not build the engine:\n" + "\n".join(LOGGER.since(mark)[0] or ["(no error text)"]))
     plan_bytes = bytes(plan)
     _atomic_bytes(out_dir / PLAN_FILE, plan_bytes)
     _save_timing_cache(config, cache, cache_path)
 
-    runtime = trt.Runtime(logger)
+    runtime = trt.Runtime(LOGGER)
     engine = runtime.deserialize_cuda_engine(plan_bytes)
     if engine is None:
-        raise BuildError("TensorRT could not load the plan it built:\n" + "\n".join(logger.errors))
+        raise BuildError("TensorRT could not load the plan it built:\n" + "\n".join(LOGGER.since(mark)[0]))
     layers = json.loads(engine.create_engine_inspector().get_engine_information(trt.LayerInformationFormat.JSON))
     _atomic_bytes(out_dir / LAYERS_FILE, json.dumps(layers, indent=1).encode())
     expected = _recipe_fp8_layers(onnx_path)
     return {"engine": str(out_dir / PLAN_FILE), "engine_bytes": len(plan_bytes),
             "tensorrt": {"version": trt.__version__, "gpu": gpu_key(), "strongly_typed": True,
                          "builder_optimization_level": level, "build_seconds": build_s,
+                         "optimization_profile": {k: [list(v) for v in shapes] for k, shapes in (profile or {}).items()},
                          "timing_cache": {"path": str(cache_path), "warm_start": bool(cache_in)},
-                         "warnings": logger.warnings[-20:]},
+                         "warnings": LOGGER.since(mark)[1][-20:]},
             "inspector": {"file": str(out_dir / LAYERS_FILE), **fp8_summary(layers, expected)}}
 
 
@@ -149,16 +181,24 @@ def _recipe_fp8_layers(onnx_path: str | Path) -> list[str]:
     return export.describe(onnx_path)["fp8_layers"]
 
 
+# The inspector's tensor type field: one "Format/Datatype" in TensorRT 10, announced to split into
+# "Format" and "Datatype" in 11; every form is read.
+_TYPE_FIELDS = ("Format/Datatype", "Datatype", "DataType", "Format")
+FP8_NAMES = re.compile(r"fp8|e4m3", re.I)
+
+
 def _datatypes(layer: dict[str, Any], side: str) -> list[str]:
-    return [str(t.get("Format/Datatype", "")) for t in layer.get(side, []) if isinstance(t, dict)]
+    return [" ".join(str(t[f]) for f in _TYPE_FIELDS if f in t) for t in layer.get(side, []) if isinstance(t, dict)]
 
 
 def _is_fp8_gemm(layer: dict[str, Any]) -> bool:
-    """A GEMM-like layer with an FP8 input: a projection that really runs in FP8."""
+    """A GEMM-like layer with an FP8 input (by its tensor types or its tactic's name, e.g. `e4m3`):
+    a projection that really runs in FP8."""
     if not isinstance(layer, dict):
         return False
     kind = " ".join(str(layer.get(k, "")) for k in ("LayerType", "ParameterType", "TacticName", "Name"))
-    return bool(GEMM.search(kind)) and any("fp8" in t.lower() for t in _datatypes(layer, "Inputs"))
+    fp8 = any(FP8_NAMES.search(t) for t in _datatypes(layer, "Inputs")) or bool(FP8_NAMES.search(str(layer.get("TacticName", ""))))
+    return bool(GEMM.search(kind)) and fp8
 
 
 def fp8_summary(inspector: dict[str, Any], expected: list[str]) -> dict[str, Any]:
@@ -181,52 +221,56 @@ _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bf
                  "INT64": torch.int64, "INT8": torch.int8, "BOOL": torch.bool, "FP8": torch.float8_e4m3fn}
 
 
-def _torch_dtype(dtype: "trt.DataType") -> torch.dtype:
-    return _TORCH_DTYPES[dtype.name]
-
-
-def open(out_dir: str | Path, example: torch.Tensor, target: dict[str, Any], skeleton=None) -> "Runner":
-    """The plan in `out_dir` as a runner at its static input shape, captured as a CUDA graph."""
+def open(out_dir: str | Path, example: dict[str, torch.Tensor], target: dict[str, Any], skeleton=None) -> "Runner":
+    """The plan in `out_dir` as a runner at the example inputs' shapes, captured as a CUDA graph."""
     return Runner(Path(out_dir), example, target)
 
 
 class Runner:
-    """A TensorRT execution context on static device buffers; timing replays a CUDA graph."""
+    """A TensorRT execution context on static device buffers at the example's shapes; timing
+    replays a CUDA graph of one enqueue. Other shapes: a dynamic engine takes them in one call
+    (set_input_shape, no graph); a static one takes more rows in chunks of its batch."""
 
-    def __init__(self, out_dir: Path, example: torch.Tensor, target: dict[str, Any]):
+    def __init__(self, out_dir: Path, example: dict[str, torch.Tensor], target: dict[str, Any]):
         self.device = _require_gpu()
         self.out_dir = out_dir
-        self.logger = ErrorCollector()
-        self.runtime = trt.Runtime(self.logger)
+        mark = LOGGER.mark()
+        self.runtime = trt.Runtime(LOGGER)
         self.engine = self.runtime.deserialize_cuda_engine((out_dir / PLAN_FILE).read_bytes())
         if self.engine is None:
-            raise BuildError(f"TensorRT could not load {out_dir / PLAN_FILE}:\n" + "\n".join(self.logger.errors))
+            raise BuildError(f"TensorRT could not load {out_dir / PLAN_FILE}:\n" + "\n".join(LOGGER.since(mark)[0]))
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         mode = self.engine.get_tensor_mode
-        self.input_name = next(n for n in names if mode(n) == trt.TensorIOMode.INPUT)
-        self.output_name = next(n for n in names if mode(n) == trt.TensorIOMode.OUTPUT)
-        self.shape = tuple(self.engine.get_tensor_shape(self.input_name))
-        if tuple(example.shape[1:]) != self.shape[1:]:
-            raise ValueError(f"the plan takes input of shape {self.shape}, the example is {tuple(example.shape)}")
-        self.static_input = torch.empty(self.shape, dtype=_torch_dtype(self.engine.get_tensor_dtype(self.input_name)),
-                                        device=self.device)
-        self.static_input.copy_(self._chunks(example)[0])
-        self.static_output = torch.empty(tuple(self.engine.get_tensor_shape(self.output_name)),
-                                         dtype=_torch_dtype(self.engine.get_tensor_dtype(self.output_name)),
-                                         device=self.device)
+        self.input_names = [n for n in names if mode(n) == trt.TensorIOMode.INPUT]
+        self.output_names = [n for n in names if mode(n) == trt.TensorIOMode.OUTPUT]
+        if set(example) != set(self.input_names):
+            raise ValueError(f"the plan takes inputs {self.input_names}, the example has {sorted(example)}")
+        self.dynamic = any(-1 in tuple(self.engine.get_tensor_shape(n)) for n in self.input_names)
         self.stream = torch.cuda.Stream(self.device)
-        self.context = self._context()
+        self.context = self.engine.create_execution_context()
+        self.static_inputs, self.static_outputs = self._bind(self.context, example)
         self.graph = self._capture()
 
-    def _context(self):
-        context = self.engine.create_execution_context()
-        context.set_tensor_address(self.input_name, self.static_input.data_ptr())
-        context.set_tensor_address(self.output_name, self.static_output.data_ptr())
-        return context
+    def _dtype(self, name: str) -> torch.dtype:
+        return _TORCH_DTYPES[self.engine.get_tensor_dtype(name).name]
+
+    def _bind(self, context, inputs: dict[str, torch.Tensor]):
+        """Device buffers for `inputs` (copied in) and for the outputs at the shapes they imply."""
+        mark = LOGGER.mark()
+        bound_in, bound_out = {}, {}
+        for name in self.input_names:
+            value = inputs[name]
+            _check(context.set_input_shape(name, tuple(value.shape)), f"set_input_shape({name}, {tuple(value.shape)})", mark)
+            bound_in[name] = value.to(self.device, self._dtype(name)).contiguous()
+            _check(context.set_tensor_address(name, bound_in[name].data_ptr()), f"set_tensor_address({name})", mark)
+        for name in self.output_names:
+            bound_out[name] = torch.empty(tuple(context.get_tensor_shape(name)), dtype=self._dtype(name), device=self.device)
+            _check(context.set_tensor_address(name, bound_out[name].data_ptr()), f"set_tensor_address({name})", mark)
+        return bound_in, bound_out
 
     def _enqueue(self, context) -> None:
-        if not context.execute_async_v3(self.stream.cuda_stream):
-            raise RuntimeError("TensorRT enqueue failed:\n" + "\n".join(self.logger.errors))
+        mark = LOGGER.mark()
+        _check(context.execute_async_v3(self.stream.cuda_stream), "enqueue", mark)
 
     def _capture(self) -> torch.cuda.CUDAGraph:
         # One plain enqueue first: TensorRT finishes its lazy setup outside the capture.
@@ -238,25 +282,35 @@ class Runner:
         torch.cuda.synchronize(self.device)
         return graph
 
-    def _chunks(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        """Rows in chunks of the plan's static batch; the last chunk padded by repeating its last row."""
-        b = self.shape[0]
+    def _chunks(self, inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """A static engine's rows in chunks of its batch; the last chunk padded by repeating its last row."""
+        rows = next(iter(inputs.values())).shape[0]
+        b = next(iter(self.static_inputs.values())).shape[0]
         chunks = []
-        for i in range(0, ids.shape[0], b):
-            c = ids[i:i + b]
-            if c.shape[0] < b:
-                c = torch.cat([c, c[-1:].expand(b - c.shape[0], -1)])
-            chunks.append(c)
+        for i in range(0, rows, b):
+            c = {k: v[i:i + b] for k, v in inputs.items()}
+            n = next(iter(c.values())).shape[0]
+            chunks.append({k: torch.cat([v, v[-1:].expand(b - n, *v.shape[1:])]) if n < b else v for k, v in c.items()})
         return chunks
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        same = all(tuple(v.shape) == tuple(self.static_inputs[k].shape) for k, v in inputs.items())
+        if self.dynamic and not same:
+            context = self.engine.create_execution_context()
+            _, outputs = self._bind(context, inputs)
+            self._enqueue(context)
+            self.stream.synchronize()
+            return {k: v.clone() for k, v in outputs.items()}
+        rows = next(iter(inputs.values())).shape[0]
         outs = []
-        for chunk in self._chunks(input_ids):
-            self.static_input.copy_(chunk.to(self.device, self.static_input.dtype))
+        for chunk in self._chunks(inputs):
+            for k, v in chunk.items():
+                self.static_inputs[k].copy_(v.to(self.device, self.static_inputs[k].dtype))
             self.graph.replay()
-            outs.append(self.static_output.clone())
-        return torch.cat(outs)[:input_ids.shape[0]]
+            self.stream.synchronize()
+            outs.append({k: v.clone() for k, v in self.static_outputs.items()})
+        return {k: torch.cat([o[k] for o in outs])[:rows] for k in self.output_names}
 
     def replay(self) -> None:
         """One timed call: graph replay on the static buffers, no data transfer."""
@@ -286,7 +340,8 @@ class Runner:
             def report_layer_time(self, layer_name: str, ms: float) -> None:
                 times[layer_name] += ms
 
-        context = self._context()
+        context = self.engine.create_execution_context()
+        self._bind(context, self.static_inputs)
         context.profiler = Profiler()
         self._enqueue(context)  # warm-up
         self.stream.synchronize()

@@ -22,7 +22,13 @@ def build(model: nn.Module, out_dir: str | Path) -> dict[str, Any]:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    # Tied weights (an LM head and its embedding) share memory, which safetensors refuses: each
+    # tensor after the first of a shared storage is stored as a copy, and loads as its own tensor.
+    state, seen = {}, set()
+    for k, v in model.state_dict().items():
+        ptr = v.untyped_storage().data_ptr()
+        state[k] = v.contiguous().clone() if ptr in seen else v.contiguous()
+        seen.add(ptr)
     tmp = out_dir / f".{ENGINE_FILE}.tmp"
     save_file(state, str(tmp))
     tmp.replace(out_dir / ENGINE_FILE)
@@ -46,27 +52,28 @@ def load(skeleton: nn.Module, out_dir: str | Path, device: str = "cpu") -> nn.Mo
     return model
 
 
-def open(out_dir: str | Path, example: torch.Tensor, target: dict[str, Any], skeleton: nn.Module) -> "Runner":
-    """The engine in `out_dir` as a runner at the example's shape (the skeleton gives its structure)."""
+def open(out_dir: str | Path, example: dict[str, torch.Tensor], target: dict[str, Any], skeleton: nn.Module) -> "Runner":
+    """The engine in `out_dir` as a runner at the example inputs' shapes (the skeleton gives its structure)."""
     model = load(skeleton, out_dir, target["device"])
     return Runner(model, example, target["device"], target.get("compile", False))
 
 
 class Runner:
-    """Runs a variant module at a fixed input shape; on CUDA, by CUDA graph replay (compiled if asked).
+    """Runs a graph module ({name: tensor} -> {name: tensor}) at fixed input shapes; on CUDA, by CUDA
+    graph replay (compiled if asked).
 
     `fp8_layers` names its FP8 layers, `fp8_gemm` those that run real FP8 GEMMs (none on CPU, where
     they are fake-quant).
     """
 
-    def __init__(self, model: nn.Module, example: torch.Tensor, device: str = "cpu", compile: bool = False):
+    def __init__(self, model: nn.Module, example: dict[str, torch.Tensor], device: str = "cpu", compile: bool = False):
         from quantstudy.quantization import FP8Linear
 
         self.device = torch.device(device)
         self.model = self.eager = model
         self.fp8_layers = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
         self.fp8_gemm = [n for n, m in model.named_modules() if isinstance(m, FP8Linear) and m.fp8_gemm]
-        self.static_input = example.to(self.device)
+        self.static_inputs = {k: v.to(self.device) for k, v in example.items()}
         self.graph = None
         if compile:
             self.model = torch.compile(model, dynamic=False)
@@ -85,22 +92,23 @@ class Runner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):  # warm-up: compile, autotune, allocator
-                self.model(self.static_input)
+                self.model(**self.static_inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.static_output = self.model(self.static_input)
+            self.static_outputs = self.model(**self.static_inputs)
         torch.cuda.synchronize()
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.graph is not None and input_ids.shape == self.static_input.shape:
-            self.static_input.copy_(input_ids.to(self.device))
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.graph is not None and all(v.shape == self.static_inputs[k].shape for k, v in inputs.items()):
+            for k, v in inputs.items():
+                self.static_inputs[k].copy_(v.to(self.device))
             self.graph.replay()
-            return self.static_output.clone()
-        # Another shape (e.g. the batch-of-8 scan of a batch-1 engine) runs eagerly: the same
-        # math, no recompile.
-        return self.eager(input_ids.to(self.device))
+            return {k: v.clone() for k, v in self.static_outputs.items()}
+        # Other shapes (e.g. the batch-of-8 scan of a batch-1 engine) run eagerly: the same
+        # math, no recompile. Inputs take the engine's dtypes (an fp16 variant's KV cache is fp16).
+        return self.eager(**{k: v.to(self.device, self.static_inputs[k].dtype) for k, v in inputs.items()})
 
     def replay(self) -> None:
         """One timed call: graph replay (no data transfer) on CUDA, a plain forward on CPU."""
@@ -108,14 +116,14 @@ class Runner:
             self.graph.replay()
         else:
             with torch.no_grad():
-                self.model(self.static_input)
+                self.model(**self.static_inputs)
 
     @torch.no_grad()
     def profile_call(self) -> None:
         """One profiled call: the same (compiled) forward launched kernel by kernel, not as a graph,
         so that the profiler links every kernel to the op that launched it. Kernel times are the
         graph's; only the launch gaps differ."""
-        self.model(self.static_input)
+        self.model(**self.static_inputs)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

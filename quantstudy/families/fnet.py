@@ -9,8 +9,12 @@ In fp16 the hidden-axis product can pass 65,504 at long windows; `hidden_scale` 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
+import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,9 @@ from torch import nn
 from torch.profiler import record_function
 
 from quantstudy.families import register
+from quantstudy.families.base import Evaluation, Graph, Setting, TensorSpec
+
+log = logging.getLogger("quantstudy")
 
 # Kernel groups of the write-up, in the order its table shows them. A kernel belongs to the
 # group of the innermost annotated region it runs in (record_function on CPU), or on a GPU
@@ -94,25 +101,39 @@ class FourierBlock(nn.Module):
 
 
 class FeatureEncoder(nn.Module):
-    """input ids -> last hidden states [batch, window, hidden] (the engine's output)."""
+    """The engine's graph: input ids -> {"features": last hidden states [batch, window, hidden]}."""
 
     def __init__(self, fnet: nn.Module):
         super().__init__()
         self.fnet = fnet
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        token_type_ids = torch.zeros_like(input_ids)
         h = self.fnet.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)
         for layer in self.fnet.encoder.layer:
             h = layer.fourier(h)[0]
             h = layer.output(layer.intermediate(h), h)
-        return h
+        return {"features": h}
+
+
+def _hidden_scaling(model: nn.Module, params: dict[str, Any]) -> dict[str, Any]:
+    """The 1/64 probe: scale the hidden-axis DFT's input down and its fp32 result back up."""
+    factor = float(params["factor"])
+    knobs = [m for m in model.modules() if isinstance(m, FourierMixing)]
+    if not knobs:
+        raise ValueError("hidden_scaling: the model has no Fourier mixing")
+    for m in knobs:
+        m.hidden_scale = factor
+    return {"hidden_scale": factor}
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @register("fnet")
 class FNet:
-    """Adapter: load, inputs, layer names, tiny checkpoints and kernel groups of FNet."""
+    """Adapter: FNet as a pooled-feature encoder, one `main` graph per window and batch."""
 
     kernel_groups = KERNEL_GROUPS
     regions = REGIONS
@@ -120,9 +141,8 @@ class FNet:
     kernel_patterns = [("FP8 feed-forward GEMMs", r"(e4m3|fp8|f8f8|qqtst)"),
                        ("other GEMMs", r"(gemm|hmma|xmma|cutlass|nvjet|triton_tem_.*mm)")]
 
-    @staticmethod
-    def kernel_group(region: str | None, name: str, device: str, op: dict[str, Any] | None = None,
-                     window: int | None = None) -> str:
+    def kernel_group(self, region: str | None, name: str, device: str, op: dict[str, Any] | None,
+                     setting: Setting | None = None) -> str:
         """The write-up's kernel group of a profiled CPU op or GPU kernel.
 
         By region where the eager torch model marks one (record_function). Otherwise by the op
@@ -132,11 +152,10 @@ class FNet:
         Compiled code and exported graphs (ONNX Runtime, TensorRT) keep no regions, hence the
         shapes.
         """
-        import re
-
         from quantstudy.quantization import FP8_REGION
         from quantstudy.timing import FP8_GEMM_OPS, GEMM_OPS
 
+        window = setting["window"] if setting is not None else None
         op_name = op["name"] if op else (name if device == "cpu" else None)
         if region == FP8_REGION or op_name in FP8_GEMM_OPS:
             return "FP8 feed-forward GEMMs"
@@ -148,10 +167,13 @@ class FNet:
             return "sequence-axis DFT" if square else "other GEMMs"
         if device == "cpu":
             return "other"
-        for group, pattern in FNet.kernel_patterns:
+        for group, pattern in self.kernel_patterns:
             if re.search(pattern, name, re.I):
                 return group
         return "other"
+
+    def transforms(self) -> dict[str, Any]:
+        return {"hidden_scaling": _hidden_scaling}
 
     # --- configuration -------------------------------------------------------------------
     @staticmethod
@@ -161,57 +183,95 @@ class FNet:
         keys = {k: v for k, v in architecture.items() if k not in ("model_type", "source")}
         return FNetConfig(**keys)
 
-    def linear_layer_names(self, architecture: dict[str, Any]) -> list[str]:
+    def quantizable_layers(self, architecture: dict[str, Any]) -> list[str]:
         from transformers import FNetForPreTraining
 
         with torch.device("meta"):
-            model = FNetForPreTraining(self.hf_config(architecture))
-        return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+            encoder = FeatureEncoder(FNetForPreTraining(self.hf_config(architecture)).fnet)
+        return [n for n, m in encoder.named_modules() if isinstance(m, nn.Linear)]
+
+    @staticmethod
+    def check_setting(setting: Setting) -> list[str]:
+        if set(setting.shape) != {"window"}:
+            return [f"setting {setting.name!r}: an FNet setting's shape is a window, not {sorted(setting.shape)}"]
+        return [] if setting["window"] >= 4 else [f"setting {setting.name!r}: a window needs at least 4 tokens"]
 
     # --- loading -------------------------------------------------------------------------
     @staticmethod
-    def load_reference(checkpoint: str | Path) -> nn.Module:
-        """Transformers FNetForPreTraining in fp32 (its own FFT mixing), the study's reference."""
+    def load_reference(checkpoint: str | Path, dtype=torch.float32) -> nn.Module:
+        """Transformers FNetForPreTraining (its own FFT mixing), the study's reference."""
         from transformers import FNetForPreTraining
 
-        model = FNetForPreTraining.from_pretrained(str(checkpoint), torch_dtype=torch.float32)
-        return model.eval()
+        return FNetForPreTraining.from_pretrained(str(checkpoint), dtype=dtype).eval()
 
     @staticmethod
-    def tokenizer(checkpoint: str | Path):
+    def processor(checkpoint: str | Path):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(checkpoint))
 
-    def feature_model(self, checkpoint: str | Path, window: int, reference: nn.Module | None = None) -> FeatureEncoder:
+    @staticmethod
+    def graphs(setting: Setting, architecture: dict[str, Any] | None = None) -> dict[str, Graph]:
+        shape = (setting.batch, setting["window"])
+        return {"main": Graph("main", {"input_ids": TensorSpec("int64", shape)}, ("features",))}
+
+    def module(self, checkpoint: str | Path, graph: str = "main", setting: Setting | None = None,
+               reference: nn.Module | None = None) -> FeatureEncoder:
         """The fp32 feature encoder with DFT-matrix mixing, from the checkpoint (or a loaded reference)."""
         ref = reference if reference is not None else self.load_reference(checkpoint)
-        fnet = ref.fnet
-        cfg = ref.config
+        fnet, cfg, window = ref.fnet, ref.config, setting["window"]
         for layer in fnet.encoder.layer:
             block = FourierBlock(window, cfg.hidden_size, cfg.layer_norm_eps)
             block.output.LayerNorm.load_state_dict(layer.fourier.output.LayerNorm.state_dict())
             layer.fourier = block
         return FeatureEncoder(fnet).eval()
 
-    @staticmethod
-    def mlm_logits(reference: nn.Module, features: torch.Tensor) -> torch.Tensor:
-        """The PyTorch MLM head applied to (engine) features, in fp32."""
-        return reference.cls.predictions(features.float())
+    def example_inputs(self, checkpoint: str | Path, graph: str, setting: Setting) -> dict[str, torch.Tensor]:
+        """A real-looking row ([CLS] random ids [SEP]) repeated to the batch: what timing replays."""
+        ids = self.stress_inputs(self.processor(checkpoint), setting["window"], 1, seed=0)["input_ids"]
+        return {"input_ids": ids.repeat(setting.batch, 1)}
 
-    # --- inputs --------------------------------------------------------------------------
+    # --- samples and inputs ----------------------------------------------------------------
     @staticmethod
     def encode(tokenizer, texts: list[str], window: int) -> torch.Tensor:
         """[CLS] text [SEP] padded to the window, as the runtime pads."""
         enc = tokenizer(texts, truncation=True, max_length=window, padding="max_length", return_tensors="pt")
         return enc["input_ids"]
 
-    @staticmethod
-    def count_tokens(tokenizer, text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    def draw_samples(self, rows, spec: dict[str, Any], processor) -> list[dict[str, Any]]:
+        """Passages (seeded order, within the tokenizer's token bounds) or the first sentence pairs."""
+        samples = []
+        if spec["kind"] == "passages":
+            order = list(range(len(rows)))
+            random.Random(spec.get("seed", 0)).shuffle(order)
+            lo, hi = spec.get("min_tokens", 1), spec.get("max_tokens", 10**9)
+            for i in order:
+                text = rows[i]["text"].strip()
+                if not text or text.startswith("="):  # WikiText headings and blank lines are not passages
+                    continue
+                n = len(processor(text, add_special_tokens=False)["input_ids"])
+                if lo <= n <= hi:
+                    samples.append({"id": i, "text": text, "tokens": n, "sha256": _sha(text)})
+                if len(samples) == spec["count"]:
+                    break
+        elif spec["kind"] == "sentence_pairs":
+            for i in range(min(spec["count"], len(rows))):
+                r = rows[i]
+                score = r.get("score", r.get("label"))
+                samples.append({"id": i, "sentence1": r["sentence1"], "sentence2": r["sentence2"],
+                                "score": float(score), "sha256": _sha(r["sentence1"] + "\n" + r["sentence2"])})
+        else:
+            raise ValueError(f"FNet draws passages or sentence_pairs, not {spec['kind']!r}")
+        return samples
+
+    def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
+                            setting: Setting) -> list[dict[str, torch.Tensor]]:
+        """The passages framed [CLS] ... [SEP] and padded to the window, in batches of 8."""
+        ids = self.encode(self.processor(checkpoint), [s["text"] for s in samples], setting["window"])
+        return [{"input_ids": ids[i:i + 8]} for i in range(0, ids.shape[0], 8)]
 
     @staticmethod
-    def stress_inputs(tokenizer, window: int, count: int, seed: int) -> dict[str, torch.Tensor]:
+    def stress_inputs(tokenizer, window: int, count: int, seed: int) -> dict[str, Any]:
         """The write-up's stress inputs: random ids, a repeated token, all [MASK], [CLS][SEP]."""
         g = torch.Generator().manual_seed(seed)
         vocab = len(tokenizer)
@@ -253,7 +313,72 @@ class FNet:
                 h.remove()
         return peaks.tolist()
 
-    # --- tiny checkpoints ----------------------------------------------------------------
+    def reference(self, checkpoint: str | Path, samples: dict[str, list[dict[str, Any]]], setting: Setting,
+                  metrics: dict[str, Any], seeds: dict[str, int], device: str):
+        """Transformers fp32 features of the held-out passages (masked and plain) and STS sentences,
+        the reference's STS Spearman, and the largest 2D Fourier value per passage."""
+        from quantstudy import metrics as qm
+
+        window = setting["window"]
+        ref, tok = self.load_reference(checkpoint).to(device), self.processor(checkpoint)
+        heldout = [s["text"] for s in samples["heldout"]]
+        sentences, gold = _sts_sentences(samples["sts"])
+        ids = self.encode(tok, heldout, window)
+        masked, positions = _mask(ids, tok, metrics["mask_fraction"], seeds["masking"])
+        last = lambda x: ref(input_ids=x.to(device), output_hidden_states=True).hidden_states[-1]
+        log.info("reference at %d tokens: %d passages, %d masked tokens, %d STS sentences", window, len(heldout),
+                 len(positions), len(sentences))
+        masked_features = _features(last, masked, 8)
+        sts_ids = self.encode(tok, sentences, window)
+        sts_cls = _features(last, sts_ids, 8)[:, 0]
+        peaks = [p for i in range(ids.shape[0]) for p in self.mixing_peaks(ref, ids[i:i + 1].to(device))]
+        tensors = {"heldout_ids": ids.to(torch.int32), "masked_ids": masked.to(torch.int32),
+                   "mask_positions": positions,
+                   "mlm_features": masked_features[positions[:, 0], positions[:, 1]].contiguous(),
+                   "heldout_cls": _features(last, ids, 8)[:, 0].contiguous(), "sts_ids": sts_ids.to(torch.int32),
+                   "sts_cls": sts_cls.contiguous(), "mixing_peaks": torch.tensor(peaks)}
+        fp16_max = metrics["fp16_max"]
+        blocks = {"sts": {"spearman": qm.sts_spearman(sts_cls[0::2], sts_cls[1::2], gold)},
+                  "mixing_peak": {"max": max(peaks), "fp16_max": fp16_max, "passages": len(peaks),
+                                  "passages_over_fp16_max": sum(p > fp16_max for p in peaks)}}
+        return tensors, blocks
+
+    def evaluate(self, checkpoint: str | Path, run, reference: dict[str, torch.Tensor],
+                 samples: dict[str, list[dict[str, Any]]], setting: Setting, metrics: dict[str, Any],
+                 seeds: dict[str, int], device: str) -> Evaluation:
+        """Masked-LM agreement (the PyTorch MLM head on the engine's features), CLS agreement, STS
+        Spearman, the quality bar, and the non-finite scan (held-out, STS, stress inputs, a batch)."""
+        from quantstudy import metrics as qm
+
+        ref_model, tok = self.load_reference(checkpoint), self.processor(checkpoint)
+        features = lambda ids, what: run({"input_ids": ids.long()}, what)["features"].float().cpu()
+        masked = features(reference["masked_ids"], "masked held-out passages")
+        pos = reference["mask_positions"]
+        ref_model.to(device)  # the MLM head over every masked token is a large GEMM
+        with torch.no_grad():
+            head = lambda x: ref_model.cls.predictions(x.float().to(device))
+            mlm = qm.mlm_agreement(head(reference["mlm_features"]), head(masked[pos[:, 0], pos[:, 1]]))
+        heldout = features(reference["heldout_ids"], "held-out passages")
+        sts = features(reference["sts_ids"], "STS sentences")
+        gold = [p["score"] for p in samples["sts"]]
+        n_bar = metrics["quality_bar"]["sts_sentences"]
+        bar = qm.quality_bar(reference["sts_cls"][:n_bar], sts[:n_bar, 0], metrics["quality_bar"]["max_cls_relative_l2"])
+        stress = self.stress_inputs(tok, setting["window"], metrics["stress_inputs"], seeds.get("stress", 0))
+        stress_out = features(stress["input_ids"], "stress inputs")
+        # One call at a larger batch than the engine's (the write-up's batch-of-8 scan).
+        big = run({"input_ids": reference["heldout_ids"][:metrics["nonfinite_batch"]].long()}, "one batch",
+                  whole=True)["features"].float().cpu()
+        bad = lambda x: int((~qm.finite_rows(x)).sum())
+        nonfinite = {"heldout": {"bad": bad(heldout), "of": heldout.shape[0]},
+                     "masked_heldout": {"bad": bad(masked), "of": masked.shape[0]},
+                     "sts_sentences": {"bad": bad(sts), "of": sts.shape[0]},
+                     "stress": {"bad": bad(stress_out), "of": stress_out.shape[0], "kinds": sorted(set(stress["kinds"]))},
+                     "batch": {"bad": bad(big), "of": big.shape[0]}}
+        blocks = {"mlm": mlm, "cls": qm.cls_agreement(reference["heldout_cls"], heldout[:, 0]),
+                  "sts": {"spearman": qm.sts_spearman(sts[0::2, 0], sts[1::2, 0], gold)}, "quality_bar": bar}
+        return Evaluation(blocks, nonfinite)
+
+    # --- embedded default ----------------------------------------------------------------
     def tiny_checkpoint_files(self, architecture: dict[str, Any], tiny: dict[str, Any]) -> dict[str, bytes]:
         """A random-init FNetForPreTraining (fixed seed) with a word-level tokenizer, as checkpoint files.
 
@@ -279,3 +404,33 @@ class FNet:
                  "model.safetensors": save(state, metadata={"format": "pt"})}
         files.update(fixtures.tokenizer_files(cfg.vocab_size, cfg.max_position_embeddings))
         return files
+
+    @staticmethod
+    def tiny_dataset_files(files: dict[str, str], tiny: dict[str, Any], architecture: dict[str, Any]) -> dict[str, bytes]:
+        """Generated passages or sentence pairs over the tiny tokenizer's pseudo-words."""
+        from quantstudy import fixtures
+
+        return fixtures.dataset_files(files, tiny, architecture["vocab_size"])
+
+
+def _sts_sentences(pairs: list[dict[str, Any]]) -> tuple[list[str], list[float]]:
+    return [s for p in pairs for s in (p["sentence1"], p["sentence2"])], [p["score"] for p in pairs]
+
+
+def _mask(ids: torch.Tensor, tokenizer, fraction: float, seed: int):
+    """Replace `fraction` of the body tokens of each row by [MASK] (seeded); returns ids and positions."""
+    g = torch.Generator().manual_seed(seed)
+    masked, positions = ids.clone(), []
+    special = {tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id}
+    for row in range(ids.shape[0]):
+        body = [j for j in range(ids.shape[1]) if int(ids[row, j]) not in special]
+        k = max(1, round(fraction * len(body)))
+        pick = sorted(body[j] for j in torch.randperm(len(body), generator=g)[:k].tolist())
+        masked[row, pick] = tokenizer.mask_token_id
+        positions += [(row, j) for j in pick]
+    return masked, torch.tensor(positions, dtype=torch.int64)
+
+
+def _features(fn, ids: torch.Tensor, batch: int) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([fn(ids[i:i + batch]).float().cpu() for i in range(0, ids.shape[0], batch)])

@@ -1,0 +1,365 @@
+"""DeBERTa-v2/v3 (microsoft/deberta-v3-base, -large) as a token-feature encoder.
+
+One graph, `main`: input_ids and attention_mask, int64 [batch, window], in -> `features`, the
+last hidden state of every token [batch, window, hidden], out. The write-up builds fixed
+windows: texts are framed [CLS] ... [SEP] (pairs [CLS] a [SEP] b [SEP]) and padded to the
+window, and the engine takes the attention mask so that the padding stays out of attention and
+the features of the real tokens are those of the unpadded text, as in the Transformers model.
+Shapes are static: one engine per window and batch.
+
+The graph module runs the Transformers modules (embeddings, projections, layer norms,
+feed-forward) and restates DisentangledSelfAttention's forward, the same ops in the same order,
+with two changes:
+- the relative positions (log buckets) of the static window are computed once, a buffer:
+  Transformers builds them in every forward, with a CPU tensor inside make_log_bucket_position
+  that breaks CUDA-graph capture of an eager forward; the attention scale is a 0-dim buffer
+  for the same reason;
+- with share_att_key, query_proj and key_proj also project the relative position embeddings.
+  Those calls are the declared call site `relative_positions` (quantization.linear_call), so a
+  recipe's `exclude_calls: [relative_positions]` keeps the positional products in the work
+  precision while the hidden rows go through FP8.
+Dropout is left out: the module is for inference only.
+
+Export: quantstudy.export (torch.onnx.export, dynamo=True) exports the fp32, fp16 and FP8
+variants as they are; the FP8 layers' positional calls are plain MatMuls on the fp16 weight,
+named `<layer>.work_precision/MatMul`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantstudy import quantization
+from quantstudy.families import register
+from quantstudy.families.base import Evaluation, Graph, Setting, TensorSpec
+
+POSITIONS = "relative_positions"  # call site of query_proj / key_proj on the relative position embeddings
+NO_METRICS = "deberta_v2: the study's metrics come with its study (issue 9)"
+
+# Kernel groups of the write-up's explanation of the missing speedup: the FP8 projection GEMMs,
+# the projections (and positional products) left in fp16, TensorRT's fused attention kernel, and
+# what runs instead of it where the fusion is lost: separate attention matmuls, a softmax and
+# pointwise kernels (transposes, concats, adds).
+KERNEL_GROUPS = ["FP8 projection GEMMs", "projection GEMMs", "fused attention", "attention matmuls", "softmax",
+                 "pointwise", "other"]
+# Classified by op and operand shapes, which every backend reports, so no record_function regions.
+REGIONS: dict[str, str] = {}
+_FUSED_ATTENTION = re.compile(r"(mha|flash)", re.I)  # TensorRT fused MHA (fmha, _gemm_mha_v2), flash
+_SOFTMAX = re.compile(r"softmax", re.I)
+_POINTWISE_OPS = re.compile(r"^(aten::(add|add_|sub|mul|div|neg|clamp|where|masked_fill|copy_|clone|cat|repeat|"
+                            r"gather|_to_copy)|onnxruntime::(Add|Sub|Mul|Div|Neg|Clip|Where|Transpose|Concat|Tile|"
+                            r"Expand|Cast|GatherElements))$")
+_POINTWISE_KERNELS = re.compile(r"(elementwise|pointwise|transpose|copy|concat|gather|expand|tile)", re.I)
+_GEMM_KERNELS = re.compile(r"(gemm|hmma|xmma|cutlass|nvjet|triton_tem_.*mm)", re.I)
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[batch, rows, hidden] -> [batch * heads, rows, head size] (DisentangledSelfAttention.transpose_for_scores)."""
+    x = x.view(*x.size()[:-1], heads, -1)
+    return x.permute(0, 2, 1, 3).contiguous().view(-1, x.size(1), x.size(-1))
+
+
+class RelativeAttention(nn.Module):
+    """DisentangledSelfAttention (relative attention, share_att_key) on a static window: the same math,
+    with the projections of the relative position embeddings at their own call site.
+
+    Takes over the Transformers module's projections, so the layer names stay
+    `...attention.self.query_proj` etc.
+    """
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self.query_proj, self.key_proj, self.value_proj = attn.query_proj, attn.key_proj, attn.value_proj
+        self.heads = attn.num_attention_heads
+        self.pos_att_type = list(attn.pos_att_type)
+        self.att_span = attn.pos_ebd_size
+        factor = 1 + ("c2p" in self.pos_att_type) + ("p2c" in self.pos_att_type)
+        # scaled_size_sqrt's value, made once: a buffer cast with the model, not a CPU tensor per call.
+        self.register_buffer("scale", torch.sqrt(torch.tensor(attn.attention_head_size, dtype=torch.float) * factor),
+                             persistent=False)
+        for proj in (self.query_proj, self.key_proj):
+            quantization.declare_call_sites(proj, POSITIONS)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, output_attentions: bool = False,
+                query_states: torch.Tensor | None = None, relative_pos: torch.Tensor | None = None,
+                rel_embeddings: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        if output_attentions or query_states is not None:
+            raise ValueError("the graph module computes features only (no attentions, no query_states)")
+        heads = self.heads
+        query = _heads(self.query_proj(hidden_states), heads)
+        key = _heads(self.key_proj(hidden_states), heads)
+        value = _heads(self.value_proj(hidden_states), heads)
+        scale = self.scale.to(query.dtype)
+        scores = torch.bmm(query, key.transpose(-1, -2) / scale)
+        scores = scores + self._relative_scores(query, key, relative_pos, rel_embeddings, scale)
+        scores = scores.view(-1, heads, scores.size(-2), scores.size(-1))
+        scores = scores.masked_fill(~attention_mask.bool(), torch.finfo(query.dtype).min)
+        probs = torch.softmax(scores, dim=-1)
+        context = torch.bmm(probs.view(-1, probs.size(-2), probs.size(-1)), value)
+        context = context.view(-1, heads, context.size(-2), context.size(-1)).permute(0, 2, 1, 3).contiguous()
+        return context.view(*context.size()[:-2], -1), None
+
+    def _relative_scores(self, query: torch.Tensor, key: torch.Tensor, relative_pos: torch.Tensor,
+                         rel_embeddings: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | int:
+        """disentangled_attention_bias: content->position (c2p) and position->content (p2c) scores."""
+        span, heads, batch = self.att_span, self.heads, query.size(0) // self.heads
+        rel = rel_embeddings[0:span * 2, :].unsqueeze(0)
+        pos_query = _heads(quantization.linear_call(self.query_proj, rel, POSITIONS), heads).repeat(batch, 1, 1)
+        pos_key = _heads(quantization.linear_call(self.key_proj, rel, POSITIONS), heads).repeat(batch, 1, 1)
+        relative_pos = relative_pos.unsqueeze(1)
+        score = 0
+        if "c2p" in self.pos_att_type:
+            c2p = torch.bmm(query, pos_key.transpose(-1, -2))
+            c2p_pos = torch.clamp(relative_pos + span, 0, span * 2 - 1)
+            index = c2p_pos.squeeze(0).expand([query.size(0), query.size(1), relative_pos.size(-1)])
+            score = score + torch.gather(c2p, dim=-1, index=index) / scale
+        if "p2c" in self.pos_att_type:
+            p2c_pos = torch.clamp(-relative_pos + span, 0, span * 2 - 1)
+            p2c = torch.bmm(key, pos_query.transpose(-1, -2))
+            index = p2c_pos.squeeze(0).expand([query.size(0), key.size(-2), key.size(-2)])
+            score = score + torch.gather(p2c, dim=-1, index=index).transpose(-1, -2) / scale
+        return score
+
+
+class FeatureEncoder(nn.Module):
+    """input_ids, attention_mask [batch, window] -> {"features": last hidden states [batch, window, hidden]}."""
+
+    def __init__(self, deberta: nn.Module, window: int):
+        super().__init__()
+        from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position
+
+        cfg, encoder = deberta.config, deberta.encoder
+        unsupported = [what for what, bad in [
+            ("relative_attention false", not cfg.relative_attention), ("share_att_key false", not cfg.share_att_key),
+            ("a convolution layer (conv_kernel_size)", getattr(cfg, "conv_kernel_size", 0) > 0)] if bad]
+        if unsupported:
+            raise ValueError(f"the DeBERTa graph module is built for DeBERTa-v3; this config has "
+                             f"{', '.join(unsupported)}")
+        self.deberta = deberta
+        for layer in encoder.layer:
+            layer.attention.self = RelativeAttention(layer.attention.self)
+        # The log-bucketed relative positions of the static window, with Transformers' own function.
+        anchor = torch.empty(window, 0)
+        self.register_buffer("relative_pos", build_relative_position(
+            anchor, anchor, bucket_size=encoder.position_buckets, max_position=encoder.max_relative_positions),
+            persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        window = self.relative_pos.shape[-1]
+        if input_ids.shape[-1] != window:
+            raise ValueError(f"this graph module is built for a window of {window} tokens, not {input_ids.shape[-1]}")
+        encoder = self.deberta.encoder
+        h = self.deberta.embeddings(input_ids=input_ids, mask=attention_mask)
+        mask = encoder.get_attention_mask(attention_mask)
+        rel_embeddings = encoder.get_rel_embedding()
+        for layer in encoder.layer:
+            h = layer(h, mask, relative_pos=self.relative_pos, rel_embeddings=rel_embeddings)[0]
+        return {"features": h}
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@register("deberta_v2")
+class DebertaV2:
+    """Adapter: DeBERTa-v2/v3 as a token-feature encoder, one `main` graph per window and batch."""
+
+    kernel_groups = KERNEL_GROUPS
+    regions = REGIONS
+
+    @staticmethod
+    def kernel_group(region: str | None, name: str, device: str, op: dict[str, Any] | None,
+                     setting: Setting | None = None) -> str:
+        """The write-up's kernel group of a profiled CPU op or GPU kernel (or TensorRT layer).
+
+        An FP8 layer's region or torch._scaled_mm is an FP8 projection GEMM. A GEMM with a 2-D
+        operand (a weight) is a projection left in the work precision, the positional products
+        included; a GEMM whose operands are all batched is an attention matmul (QK^T, c2p, p2c,
+        PV). GPU kernels without a recognised op go by name: TensorRT's fused attention first.
+        """
+        from quantstudy.timing import FP8_GEMM_OPS, GEMM_OPS
+
+        op_name = op["name"] if op else (name if device == "cpu" else None)
+        if region == quantization.FP8_REGION or op_name in FP8_GEMM_OPS:
+            return "FP8 projection GEMMs"
+        if device != "cpu" and _FUSED_ATTENTION.search(name):
+            return "fused attention"
+        if op_name in GEMM_OPS:
+            shapes = op["shapes"] if op else []
+            return "projection GEMMs" if any(len(s) == 2 for s in shapes) else "attention matmuls"
+        if _SOFTMAX.search(op_name or "") or (device != "cpu" and _SOFTMAX.search(name)):
+            return "softmax"
+        if _POINTWISE_OPS.match(op_name or "") or (device != "cpu" and _POINTWISE_KERNELS.search(name)):
+            return "pointwise"
+        if device != "cpu" and _GEMM_KERNELS.search(name):
+            return "projection GEMMs"
+        return "other"
+
+    @staticmethod
+    def transforms() -> dict[str, Any]:
+        return {}
+
+    # --- configuration -------------------------------------------------------------------
+    @staticmethod
+    def hf_config(architecture: dict[str, Any]):
+        from transformers import DebertaV2Config
+
+        return DebertaV2Config(**{k: v for k, v in architecture.items() if k not in ("model_type", "source")})
+
+    def quantizable_layers(self, architecture: dict[str, Any]) -> list[str]:
+        """The graph module's linear layers: six projections per layer (q, k, v, attention output, feed-forward)."""
+        from transformers import DebertaV2Model
+
+        with torch.device("meta"):
+            encoder = FeatureEncoder(DebertaV2Model(self.hf_config(architecture)), window=2)
+        return quantization.linear_names(encoder)
+
+    @staticmethod
+    def check_setting(setting: Setting) -> list[str]:
+        if set(setting.shape) != {"window"}:
+            return [f"setting {setting.name!r}: a DeBERTa setting's shape is a window, not {sorted(setting.shape)}"]
+        problems = [] if setting["window"] >= 2 else [f"setting {setting.name!r}: a window holds at least [CLS] [SEP]"]
+        if setting.batch < 1:
+            problems.append(f"setting {setting.name!r}: the batch must be at least 1, not {setting.batch}")
+        return problems
+
+    # --- loading -------------------------------------------------------------------------
+    @staticmethod
+    def load_reference(checkpoint: str | Path, dtype=torch.float32) -> nn.Module:
+        """Transformers DebertaV2Model, the study's reference."""
+        from transformers import DebertaV2Model
+
+        return DebertaV2Model.from_pretrained(str(checkpoint), dtype=dtype).eval()
+
+    @staticmethod
+    def processor(checkpoint: str | Path):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(checkpoint))
+
+    @staticmethod
+    def graphs(setting: Setting, architecture: dict[str, Any] | None = None) -> dict[str, Graph]:
+        shape = (setting.batch, setting["window"])
+        inputs = {"input_ids": TensorSpec("int64", shape), "attention_mask": TensorSpec("int64", shape)}
+        return {"main": Graph("main", inputs, ("features",))}
+
+    def module(self, checkpoint: str | Path, graph: str = "main", setting: Setting | None = None,
+               reference: nn.Module | None = None) -> FeatureEncoder:
+        """The fp32 feature encoder of the setting's window, from the checkpoint (or a loaded reference,
+        whose modules it takes over)."""
+        if graph != "main":
+            raise ValueError(f"DeBERTa has one graph, main, not {graph!r}")
+        ref = reference if reference is not None else self.load_reference(checkpoint)
+        return FeatureEncoder(ref, setting["window"]).eval()
+
+    def example_inputs(self, checkpoint: str | Path, graph: str, setting: Setting) -> dict[str, torch.Tensor]:
+        """Rows [CLS] random ids [SEP], padded: the first fills 3/4 of the window, the others get
+        shorter, down to [CLS][SEP] alone at batch > 1. Seeded, so every call gives the same inputs."""
+        tok = self.processor(checkpoint)
+        window, batch = setting["window"], setting.batch
+        ordinary = torch.tensor(sorted(set(range(len(tok))) - set(tok.all_special_ids)))
+        g = torch.Generator().manual_seed(0)
+        ids = torch.full((batch, window), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((batch, window), dtype=torch.long)
+        for r, n in enumerate(torch.linspace(max(2, window * 3 // 4), 2, batch).round().long().tolist()):
+            body = ordinary[torch.randint(len(ordinary), (n - 2,), generator=g)]
+            ids[r, :n] = torch.cat([torch.tensor([tok.cls_token_id]), body, torch.tensor([tok.sep_token_id])])
+            mask[r, :n] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+    # --- samples and inputs ----------------------------------------------------------------
+    @staticmethod
+    def encode(tokenizer, samples: list[dict[str, Any]], window: int) -> dict[str, torch.Tensor]:
+        """Text samples as [CLS] text [SEP], NLI pairs as [CLS] premise [SEP] hypothesis [SEP], truncated
+        and padded to the window: {input_ids, attention_mask}, in the samples' order."""
+        kw = {"truncation": True, "max_length": window, "padding": "max_length", "return_tensors": "pt"}
+        texts = [i for i, s in enumerate(samples) if "text" in s]
+        pairs = [i for i, s in enumerate(samples) if "premise" in s]
+        if len(texts) + len(pairs) != len(samples):
+            raise ValueError("a DeBERTa sample has a `text`, or a `premise` and a `hypothesis`")
+        parts = []
+        if texts:
+            parts.append(tokenizer([samples[i]["text"] for i in texts], **kw))
+        if pairs:
+            parts.append(tokenizer([samples[i]["premise"] for i in pairs], [samples[i]["hypothesis"] for i in pairs],
+                                   **kw))
+        order = torch.argsort(torch.tensor(texts + pairs))
+        return {k: torch.cat([p[k] for p in parts])[order] for k in ("input_ids", "attention_mask")}
+
+    def draw_samples(self, rows, spec: dict[str, Any], processor) -> list[dict[str, Any]]:
+        """Seeded samples within the tokenizer's token bounds: passages ({id, text, tokens, sha256}; WikiText
+        headings and blank lines skipped) or labelled NLI pairs ({id, premise, hypothesis, label, tokens, sha256})."""
+        kind = spec["kind"]
+        if kind not in ("passages", "nli_pairs"):
+            raise ValueError(f"DeBERTa draws passages or nli_pairs, not {kind!r}")
+        order = list(range(len(rows)))
+        random.Random(spec.get("seed", 0)).shuffle(order)
+        lo, hi = spec.get("min_tokens", 1), spec.get("max_tokens", 10**9)
+        count = lambda text: len(processor(text, add_special_tokens=False)["input_ids"])
+        samples = []
+        for i in order:
+            r = rows[i]
+            if kind == "passages":
+                text = r["text"].strip()
+                if not text or text.startswith("="):
+                    continue
+                n = count(text)
+                sample = {"id": i, "text": text, "tokens": n, "sha256": _sha(text)}
+            else:
+                if r["label"] not in (0, 1, 2):  # unlabelled (test split) rows carry -1
+                    continue
+                n = count(r["premise"]) + count(r["hypothesis"])
+                sample = {"id": i, "premise": r["premise"], "hypothesis": r["hypothesis"], "label": int(r["label"]),
+                          "tokens": n, "sha256": _sha(r["premise"] + "\n" + r["hypothesis"])}
+            if lo <= n <= hi:
+                samples.append(sample)
+            if len(samples) == spec["count"]:
+                break
+        return samples
+
+    def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
+                            setting: Setting) -> list[dict[str, torch.Tensor]]:
+        """The samples (texts or pairs) framed and padded to the window, in batches of 8."""
+        enc = self.encode(self.processor(checkpoint), samples, setting["window"])
+        n = enc["input_ids"].shape[0]
+        return [{k: v[i:i + 8] for k, v in enc.items()} for i in range(0, n, 8)]
+
+    # --- measurements --------------------------------------------------------------------
+    def reference(self, checkpoint: str | Path, samples: dict[str, list[dict[str, Any]]], setting: Setting,
+                  metrics: dict[str, Any], seeds: dict[str, int], device: str):
+        raise NotImplementedError(NO_METRICS)
+
+    def evaluate(self, checkpoint: str | Path, run, reference: dict[str, Any], samples: dict[str, list],
+                 setting: Setting, metrics: dict[str, Any], seeds: dict[str, int], device: str) -> Evaluation:
+        raise NotImplementedError(NO_METRICS)
+
+    # --- embedded default ----------------------------------------------------------------
+    def tiny_checkpoint_files(self, architecture: dict[str, Any], tiny: dict[str, Any]) -> dict[str, bytes]:
+        """A random-init DebertaV2Model (seeded) with a word-level tokenizer, as checkpoint files."""
+        import json
+
+        from safetensors.torch import save
+        from transformers import DebertaV2Model
+
+        from quantstudy import fixtures
+
+        torch.manual_seed(tiny["seed"])
+        cfg = self.hf_config(architecture)
+        model = DebertaV2Model(cfg).eval()
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        files = {"config.json": json.dumps(cfg.to_dict(), indent=1, sort_keys=True).encode(),
+                 "model.safetensors": save(state, metadata={"format": "pt"})}
+        files.update(fixtures.tokenizer_files(cfg.vocab_size, cfg.max_position_embeddings))
+        return files
+
+    def tiny_dataset_files(self, files: dict[str, str], tiny: dict[str, Any],
+                           architecture: dict[str, Any]) -> dict[str, bytes]:
+        raise NotImplementedError(NO_METRICS)

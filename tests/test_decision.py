@@ -1,0 +1,97 @@
+"""The decision rule is data: each condition reduces a column of the candidate's rows and compares.
+
+Known cases built by hand: threshold boundaries, a missing batch-1 row, a failed candidate
+measurement (which must give do-not-ship), a NaN row, and the direction of x.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from quantstudy import timing
+from quantstudy.aggregate import decide
+
+SPEED = {"name": "speedup at batch 1", "table": "speed", "column": "x", "rows": {"batch": 1}, "reduce": "min",
+         "compare": ">=", "threshold": 1.15}
+TOP1 = {"name": "top-1", "table": "quality", "column": "mlm.top1_agreement", "reduce": "min", "compare": ">=",
+        "threshold": 0.99}
+NONFINITE = {"name": "non-finite", "table": "quality", "column": "nonfinite", "reduce": "sum", "compare": "==",
+             "threshold": 0}
+
+
+def study(*conditions) -> dict:
+    return {"candidate": "fp8", "decision": {"conditions": list(conditions)}}
+
+
+def speed(*rows) -> pd.DataFrame:
+    return pd.DataFrame([{"variant": v, "batch": b, "x": x, "status": s, "source": f"{v}-{b}-{i}/timing.json"}
+                         for i, (v, b, x, s) in enumerate(rows)])
+
+
+def quality(*rows) -> pd.DataFrame:
+    return pd.DataFrame([{"variant": v, "mlm.top1_agreement": t, "nonfinite": n, "status": s,
+                          "source": f"{v}-{i}/quality.json"} for i, (v, t, n, s) in enumerate(rows)])
+
+
+GOOD_Q = quality(("fp8", 0.995, 0, "ok"), ("fp16", 0.999, 0, "ok"))
+
+
+@pytest.mark.parametrize("x,ship", [(1.15, True), (1.1499, False), (1.3, True)])
+def test_speedup_threshold_boundary(x, ship):
+    d = decide(study(SPEED), {"speed": speed(("fp8", 1, x, "ok"), ("fp8", 1, 2.0, "ok")), "quality": GOOD_Q})
+    assert d["ship"] is ship
+    assert d["conditions"][0]["observed"] == {"min": x, "max": 2.0, "n": 2}
+
+
+@pytest.mark.parametrize("top1,ship", [(0.99, True), (0.9899, False)])
+def test_quality_threshold_boundary(top1, ship):
+    q = quality(("fp8", top1, 0, "ok"), ("fp8", 0.999, 0, "ok"))
+    assert decide(study(TOP1), {"speed": speed(), "quality": q})["ship"] is ship
+
+
+def test_only_the_candidates_rows_count():
+    """A slow baseline row does not fail the candidate, and the candidate's own slow row does."""
+    s = speed(("fp16", 1, 0.5, "ok"), ("fp8", 1, 1.2, "ok"))
+    assert decide(study(SPEED), {"speed": s, "quality": GOOD_Q})["ship"]
+    s = speed(("fp8", 1, 1.2, "ok"), ("fp8", 1, 1.0, "ok"))
+    assert not decide(study(SPEED), {"speed": s, "quality": GOOD_Q})["ship"]
+
+
+def test_a_missing_batch1_row_is_not_met():
+    d = decide(study(SPEED), {"speed": speed(("fp8", 8, 1.5, "ok")), "quality": GOOD_Q})
+    assert not d["ship"]
+    assert d["conditions"][0]["observed"] is None and d["conditions"][0]["note"] == "no rows"
+
+
+def test_a_failed_candidate_measurement_gives_do_not_ship():
+    s = speed(("fp8", 1, 1.5, "ok"), ("fp8", 1, None, "failed"))
+    d = decide(study(SPEED), {"speed": s, "quality": GOOD_Q})
+    assert d["conditions"][0]["pass"]  # the measured row alone meets the threshold...
+    assert not d["ship"]  # ...but a failed measurement of the candidate is a condition of its own
+    assert d["conditions"][-1]["name"] == "every measurement of the candidate succeeded"
+    assert "fp8-1-1/timing.json" in d["conditions"][-1]["note"]
+
+
+def test_a_nan_row_fails_the_condition():
+    q = quality(("fp8", math.nan, 0, "ok"), ("fp8", 0.999, 0, "ok"))
+    d = decide(study(TOP1), {"speed": speed(), "quality": q})
+    assert not d["ship"] and d["conditions"][0]["note"] == "1 of 2 rows not measured"
+
+
+def test_sum_of_nonfinite_outputs():
+    q = quality(("fp8", 0.999, 0, "ok"), ("fp8", 0.999, 3, "ok"), ("fp16", 0.999, 7, "ok"))
+    d = decide(study(NONFINITE), {"speed": speed(), "quality": q})
+    assert d["conditions"][0]["observed"] == 3 and not d["ship"]
+
+
+def test_direction_of_x():
+    """x = baseline time / variant time: a faster variant has x > 1."""
+    faster = timing.speedup(baseline=[2.0, 2.0, 2.0], variant=[1.0, 1.0, 1.0])
+    assert faster["x"] == 2.0 and faster["x_min"] == faster["x_max"] == 2.0
+    slower = timing.speedup(baseline=[1.0, 1.0, 1.0], variant=[1.25, 1.25, 1.25])
+    assert slower["x"] == 0.8
+    d = decide(study(SPEED), {"speed": speed(("fp8", 1, slower["x"], "ok")), "quality": GOOD_Q})
+    assert not d["ship"]

@@ -1,0 +1,68 @@
+"""A failure is a result: each measuring step that raises writes its JSON as failed, with the error.
+
+Each case makes one step raise on its own (its own inputs are bad, the engine it reads is fine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quantstudy import steps
+
+SETTING = {"name": "w64", "batch": 1, "shape": {"window": 64}, "quality": True}
+TARGET = {"target": "cpu-torch", "backend": "torch", "device": "cpu"}
+FP16 = {"precision": "float16", "transforms": []}
+
+
+def ident(variant: str) -> dict:
+    return {"target": "cpu-torch", "model": "fnet-base", "setting": "w64", "variant": variant}
+
+
+@pytest.fixture(scope="module")
+def built(tiny_inputs, tmp_path_factory):
+    """An fp16 engine of the tiny model, built by the build step."""
+    out = tmp_path_factory.mktemp("engine") / "fp16" / "build.json"
+    steps.build(ident("fp16"), "fnet", TARGET, SETTING, FP16, tiny_inputs["study"].recipe,
+                str(tiny_inputs["checkpoint"]), None, str(out))
+    assert json.loads(out.read_text())["status"] == "ok"
+    return out
+
+
+def _failed(path, kind: str, words: str) -> None:
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == kind and doc["status"] == "failed", doc.get("error")
+    assert words in doc["error"] and doc["provenance"]["rule"]
+
+
+def test_export_failure_is_recorded(tiny_inputs, tmp_path):
+    out = tmp_path / "export.json"
+    fp8 = {"precision": "float16", "transforms": [{"fp8": {}}]}
+    steps.export({k: v for k, v in ident("fp8").items() if k != "target"}, "fnet", SETTING, fp8,
+                 tiny_inputs["study"].recipe, str(tiny_inputs["checkpoint"]), None, str(out))
+    _failed(out, "export", "the fp8 transform needs an amax file")
+
+
+def test_time_failure_is_recorded(tiny_inputs, built, tmp_path):
+    out = tmp_path / "timing.json"
+    steps.time(ident("fp16"), "fnet", TARGET, SETTING, tiny_inputs["study"].recipe,
+               {"warmup": 0, "rounds": 0, "calls_per_round": 1}, str(tiny_inputs["checkpoint"]), str(built),
+               str(built), str(out))
+    _failed(out, "timing", "timing needs at least one round")
+
+
+def test_profile_failure_is_recorded(tiny_inputs, built, tmp_path):
+    out = tmp_path / "kernels.json"
+    steps.profile(ident("fp16"), "fnet", TARGET, SETTING, tiny_inputs["study"].recipe, 0,
+                  str(tiny_inputs["checkpoint"]), str(built), str(out))
+    _failed(out, "kernels", "a kernel profile needs at least one call")
+
+
+def test_evaluate_failure_is_recorded(tiny_inputs, built, tmp_path):
+    out = tmp_path / "quality.json"
+    missing = tmp_path / "reference.safetensors"  # the reference tensors were never written
+    steps.evaluate(ident("fp16"), "fnet", TARGET, SETTING, tiny_inputs["study"].recipe,
+                   tiny_inputs["study"].raw["metrics"], {"masking": 0, "stress": 0}, str(tiny_inputs["checkpoint"]),
+                   str(built), str(built), str(missing), {}, str(out))
+    doc = json.loads(out.read_text())
+    assert doc["status"] == "failed" and "reference.safetensors" in doc["error"]

@@ -1,0 +1,54 @@
+"""Quality metrics on small cases whose answers are known by hand."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from quantstudy import metrics as qm
+
+
+def test_identical_logits_give_kl_zero_and_full_agreement():
+    logits = torch.randn(20, 50, generator=torch.Generator().manual_seed(0))
+    m = qm.mlm_agreement(logits, logits.clone())
+    assert m["kl_mean"] == 0.0 and m["kl_p99"] == 0.0 and m["top1_agreement"] == 1.0 and m["tokens"] == 20
+
+
+def test_kl_of_two_known_distributions():
+    ref = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    eng = torch.log(torch.tensor([[0.25, 0.75]], dtype=torch.float64))
+    want = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)  # KL(PyTorch || engine)
+    m = qm.mlm_agreement(ref, eng)
+    assert abs(m["kl_mean"] - want) < 1e-12 and m["top1_agreement"] == 0.0
+
+
+def test_nonfinite_rows_are_counted_and_left_out():
+    ref = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    eng = torch.tensor([[1.0, 0.0], [math.nan, 1.0]])
+    m = qm.mlm_agreement(ref, eng)
+    assert m["tokens"] == 1 and m["nonfinite_tokens"] == 1 and m["top1_agreement"] == 1.0
+    assert qm.finite_rows(eng).tolist() == [True, False]
+
+
+def test_cosine_and_relative_error_by_hand():
+    ref = torch.tensor([[3.0, 4.0]])
+    eng = torch.tensor([[3.0, 4.5]])  # |eng - ref| = 0.5, |ref| = 5
+    c = qm.cls_agreement(ref, eng)
+    assert abs(c["relative_error"] - 0.1) < 1e-12
+    assert abs(c["cosine_mean"] - (9 + 18) / (5 * math.hypot(3, 4.5))) < 1e-12
+
+
+def test_a_nan_row_fails_the_quality_bar():
+    ref = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    eng = torch.tensor([[1.0, 0.0], [math.nan, 1.0], [1.0, 1.03]])  # rel. error 0, inf, 0.03/sqrt(2)
+    bar = qm.quality_bar(ref, eng, max_relative_l2=0.04)
+    assert bar == {"max_relative_l2": 0.04, "sentences": 3, "passed": 2, "failed": 1}
+
+
+def test_spearman_of_a_monotone_and_a_reversed_ranking():
+    first = torch.tensor([[1.0, 0.0]] * 4)
+    second = torch.tensor([[1.0, 0.0], [1.0, 0.5], [1.0, 1.0], [0.0, 1.0]])  # cosine falls row by row
+    assert abs(qm.sts_spearman(first, second, [4, 3, 2, 1]) - 1.0) < 1e-12
+    assert abs(qm.sts_spearman(first, second, [1, 2, 3, 4]) + 1.0) < 1e-12
+    assert qm.sts_spearman(first, torch.full((4, 2), math.nan), [1, 2, 3, 4]) is None

@@ -137,7 +137,7 @@ def _load_split(snapshot: Path, pattern: str):
         raise FileNotFoundError(f"no file matches {pattern!r} in {snapshot}")
     suffix = Path(paths[0]).name.split(".", 1)[-1]
     builder = {"parquet": "parquet", "csv": "csv", "csv.gz": "csv", "json": "json", "jsonl": "json",
-               "jsonl.gz": "json"}.get(suffix)
+               "jsonl.gz": "json", "tar": "webdataset"}.get(suffix)
     if builder is None:
         raise ValueError(f"don't know how to read {paths[0]}")
     return datasets.load_dataset(builder, data_files=paths, split="train")

@@ -35,6 +35,7 @@ class Case:
     tiny: dict
     setting: Setting
     quantize: list[str]  # the write-up's recipe patterns
+    requires: str | None = None  # a package the family's models need (skipped, with why, where it is missing)
 
 
 CASES = {
@@ -47,6 +48,9 @@ CASES = {
     "gpt_neo": Case("tiny-gpt-neo-125m", {"seed": 0}, Setting("p12-c16", 1, {"prefill": 12, "cache": 16}),
                     ["transformer.h.*.attn.attention.q_proj", "transformer.h.*.attn.attention.k_proj",
                      "transformer.h.*.attn.attention.v_proj", "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj"]),
+    "timm_xcit": Case("tiny-xcit-nano", {"seed": 0}, Setting("224", 1, {"height": 224, "width": 224}),
+                      ["blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc1", "blocks.*.mlp.fc2",
+                       "cls_attn_blocks.*.attn.k", "cls_attn_blocks.*.attn.v"], requires="timm"),
 }
 VARIANTS = {"fp16": {"precision": "float16", "transforms": []},
             "fp8": {"precision": "float16", "transforms": [{"fp8": {}}]}}
@@ -125,6 +129,8 @@ class FamilyCase:
 
     def __init__(self, name: str, tmp: Path):
         self.name, self.case, self.tmp = name, CASES[name], tmp
+        if self.case.requires:
+            pytest.importorskip(self.case.requires, reason=f"{name}'s models need {self.case.requires}")
         self.fam = families.get(name)
         arch = config.load_architecture(self.case.architecture)
         self.checkpoints = []
@@ -186,7 +192,11 @@ def test_backend_runs_the_variant(family, graph, variant, backend, family_case, 
     except pytest.skip.Exception as e:
         RESULTS.append((family, backend, "skipped"))
         raise e
-    fc = family_case(family)
+    try:
+        fc = family_case(family)
+    except pytest.skip.Exception as e:
+        RESULTS.append((family, backend, "skipped"))
+        raise e
     precision = VARIANTS[variant]["precision"]
     example, other = fc.inputs(graph, precision), _perturbed(fc.inputs(graph, precision), seed=1)
     with torch.no_grad():

@@ -1,0 +1,483 @@
+"""timm XCiT image classifiers (xcit_nano_12_p16_224, xcit_tiny_12_p16_224 and larger configs).
+
+One engine per setting: `main`, pixel_values [batch, 3, 224, 224] (the checkpoint's eval
+transform applied) -> logits [batch, classes], both in the variant's work precision (the fp32
+module's are float32). Shapes are static: XCiT checkpoints are trained at a fixed input size,
+and each batch is its own engine.
+
+The graph module (`Classifier`) holds the timm model's own modules under timm's names
+(`blocks.3.attn.qkv`, `cls_attn_blocks.1.attn.k`, `head`), so recipe patterns, amax files and
+the timm reference name the same layers. Its forward is timm's Xcit.forward written out, so
+that the attention cores and the convolutions are marked for profiles; the math is timm's
+(the tests hold it to the timm model's own output).
+
+Recipe (the write-up): FP8 for attn.qkv, attn.proj, mlp.fc1 and mlp.fc2 of every XCA block and
+for the class-attention k and v projections (the write-up's "class-attention attn.kv": timm
+splits the official qkv into q, k, v). The class-attention q, proj and MLP act on the class
+token alone (one-token GEMVs) and stay fp16 with the stem, the depthwise convolutions of the
+local patch interaction, the layer norms, the channel-attention matmuls and the head.
+
+Export: the dynamo exporter (quantstudy.export.export) exports the fp16 module and the FP8 Q/DQ
+modules (fp16 or fp32 Dequantize) as they are; nothing is inserted afterwards. The
+class-attention k and v read one tensor and calibrate to one scale, so the exporter's optimizer
+merges their input QuantizeLinear / DequantizeLinear into one pair that feeds both GEMMs (each
+keeps its own FP8 weight and weight DequantizeLinear): one activation Quantize per
+class-attention block.
+
+Samples are ImageNet validation images from WebDataset tar shards (clip-benchmark/wds_imagenet1k:
+`<key>.webp` + `<key>.cls`), read with the `datasets` webdataset builder. A sample records the
+image's key, label and sha256, and where its bytes are: the shard file in the pinned dataset
+snapshot (the row's `__url__`, the path the loader read, which names the snapshot's revision)
+and the member name. Pixels never go into a samples file; `load_images` reads the bytes back
+from the shard and checks their hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+import re
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from quantstudy.families import base, register
+
+# Kernel groups: the recipe's FP8 GEMMs, the GEMMs that stay fp16 (one-token GEMVs, head,
+# layers a variant leaves out), the attention cores (channel attention: l2-normalized q, k,
+# temperature, softmax over channels; class attention), the convolutions (stem, positional
+# encoding, local patch interaction, with their batch norms and GELUs) and everything else.
+KERNEL_GROUPS = ["FP8 GEMMs", "fp16 GEMMs", "attention", "convolutions", "other"]
+ATTENTION_REGION, CONV_REGION = "xcit.attention", "xcit.convolutions"
+REGIONS = {ATTENTION_REGION: "attention", CONV_REGION: "convolutions"}
+UNIMPLEMENTED = "timm_xcit: the study's metrics come with its study (issue 9)"
+IMAGE_SIZE = 224  # every study checkpoint's pretrained_cfg input_size (fixed_input_size)
+IMAGE_EXTENSIONS = ("webp", "png", "jpg", "jpeg")  # what clip_benchmark reads from a wds shard
+CALIBRATION_BATCH = 16  # images per calibration forward; max calibration does not depend on it
+CONV_OPS = re.compile(r"conv(\dd|olution|_depthwise)")  # aten::conv2d, aten::mkldnn_convolution, ...
+
+# Photographs that scikit-image ships (skimage.data, no download): the tiny dataset's images.
+PHOTOS = ["astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "retina", "immunohistochemistry",
+          "stereo_motorcycle", "camera", "coins", "moon", "grass", "gravel", "brick"]
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Classifier(nn.Module):
+    """pixel_values -> {"logits"}: a timm Xcit's modules, under timm's names, run as Xcit.forward
+    runs them in eval mode (dropout and drop-path are identities there and are left out)."""
+
+    def __init__(self, xcit: nn.Module):
+        super().__init__()
+        for name, child in xcit.named_children():
+            self.add_module(name, child)
+        self.pos_embed = xcit.pos_embed  # None (no child) where a config turns it off
+        self.cls_token = xcit.cls_token
+        self.global_pool = xcit.global_pool
+
+    @staticmethod
+    def _channel_attention(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """timm XCA: attention over channels, from l2-normalized q and k (timm's unfused path)."""
+        b, n, c = x.shape
+        qkv = attn.qkv(x).reshape(b, n, 3, attn.num_heads, c // attn.num_heads).permute(2, 0, 3, 4, 1)
+        with record_function(ATTENTION_REGION):
+            q, k, v = qkv.unbind(0)  # [batch, heads, channels per head, tokens]
+            q = nn.functional.normalize(q, dim=-1)
+            k = nn.functional.normalize(k, dim=-1)
+            weights = ((q @ k.transpose(-2, -1)) * attn.temperature).softmax(dim=-1)
+            x = (weights @ v).permute(0, 3, 1, 2).reshape(b, n, c)
+        return attn.proj(x)
+
+    @staticmethod
+    def _class_attention(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """timm ClassAttn: the class token attends to every token; the output is its row only."""
+        b, n, c = x.shape
+        h = attn.num_heads
+        q = attn.q(x[:, 0]).reshape(b, h, 1, c // h)
+        k = attn.k(x).reshape(b, n, h, c // h).permute(0, 2, 1, 3)
+        v = attn.v(x).reshape(b, n, h, c // h).permute(0, 2, 1, 3)
+        with record_function(ATTENTION_REGION):
+            weights = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+            x_cls = (weights @ v).transpose(1, 2).reshape(b, 1, c)
+        return attn.proj(x_cls)
+
+    def forward(self, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
+        x, b = pixel_values, pixel_values.shape[0]
+        with record_function(CONV_REGION):
+            x, (hp, wp) = self.patch_embed(x)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(b, hp, wp).reshape(b, -1, x.shape[1]).permute(0, 2, 1)
+        for blk in self.blocks:
+            x = x + blk.gamma1 * self._channel_attention(blk.attn, blk.norm1(x))
+            with record_function(CONV_REGION):
+                x = x + blk.gamma3 * blk.local_mp(blk.norm3(x), hp, wp)
+            x = x + blk.gamma2 * blk.mlp(blk.norm2(x))
+        x = torch.cat((self.cls_token.expand(b, -1, -1), x), dim=1)
+        for blk in self.cls_attn_blocks:
+            x_norm1 = blk.norm1(x)
+            x = x + blk.gamma1 * torch.cat([self._class_attention(blk.attn, x_norm1), x_norm1[:, 1:]], dim=1)
+            x = blk.norm2(x) if blk.tokens_norm else torch.cat([blk.norm2(x[:, 0:1]), x[:, 1:]], dim=1)
+            # As timm (and the official XCiT): the residual adds the patch tokens to themselves too.
+            x = x + torch.cat([blk.gamma2 * blk.mlp(x[:, 0:1]), x[:, 1:]], dim=1)
+        x = self.norm(x)
+        pooled = x[:, 1:].mean(dim=1) if self.global_pool == "avg" else x[:, 0]
+        return {"logits": self.head(pooled)}
+
+
+def _create(cfg: dict[str, Any]) -> nn.Module:
+    """The timm model of a checkpoint config (config.json: architecture, num_classes, model_args), random init."""
+    import timm
+
+    return timm.create_model(cfg["architecture"], pretrained=False, num_classes=cfg["num_classes"],
+                             global_pool=cfg.get("global_pool", "token"), **cfg.get("model_args", {}))
+
+
+def _jittered(photo, rng: random.Random):
+    """A seeded random crop (35% to 100% of the area, aspect 3:4 to 4:3), maybe mirrored, resized
+    to a shorter side of 160 to 320 px: different views of one photograph, of ImageNet-like sizes."""
+    from PIL import Image
+
+    w, h = photo.size
+    area = rng.uniform(0.35, 1.0) * w * h
+    aspect = rng.uniform(3 / 4, 4 / 3)
+    cw, ch = min(w, round((area * aspect) ** 0.5)), min(h, round((area / aspect) ** 0.5))
+    left, top = rng.randint(0, w - cw), rng.randint(0, h - ch)
+    view = photo.crop((left, top, left + cw, top + ch))
+    if rng.random() < 0.5:
+        view = view.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    short = rng.randint(160, 320)
+    scale = short / min(cw, ch)
+    return view.resize((max(1, round(cw * scale)), max(1, round(ch * scale))), Image.Resampling.BICUBIC)
+
+
+def _photo(name: str):
+    """A scikit-image sample photograph as an RGB PIL image."""
+    import numpy as np
+    import skimage.data
+    from PIL import Image
+
+    pixels = getattr(skimage.data, name)()
+    pixels = pixels[0] if isinstance(pixels, tuple) else pixels  # stereo_motorcycle: (left, right, disparity)
+    return Image.fromarray(np.asarray(pixels, dtype=np.uint8)).convert("RGB")
+
+
+def _tar(members: dict[str, bytes]) -> bytes:
+    """A tar of the members in order, with fixed metadata, so the same members give the same bytes."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _image_column(row: dict[str, Any]) -> str:
+    found = [e for e in IMAGE_EXTENSIONS if row.get(e) is not None]
+    if not found:
+        raise ValueError(f"timm_xcit: WebDataset sample {row.get('__key__')!r} has no image "
+                         f"({', '.join(IMAGE_EXTENSIONS)})")
+    return found[0]
+
+
+def load_images(samples: list[dict[str, Any]]) -> list:
+    """The samples' images (RGB PIL), read from their shards and checked against their sha256."""
+    from PIL import Image
+
+    images, open_shards = [], {}
+    try:
+        for s in samples:
+            if s["shard"] not in open_shards:
+                open_shards[s["shard"]] = tarfile.open(s["shard"])
+            data = open_shards[s["shard"]].extractfile(s["member"]).read()
+            if _sha(data) != s["sha256"]:
+                raise ValueError(f"timm_xcit: {s['member']} in {s['shard']} does not have the sample's sha256 "
+                                 f"{s['sha256']}: the dataset snapshot is not the one the samples were drawn from")
+            images.append(Image.open(io.BytesIO(data)).convert("RGB"))
+    finally:
+        for t in open_shards.values():
+            t.close()
+    return images
+
+
+def pixel_values(transform, images: list) -> torch.Tensor:
+    """[n, 3, H, W] float32: the checkpoint's eval transform (`processor`) of each image."""
+    return torch.stack([transform(img) for img in images])
+
+
+@register("timm_xcit")
+class TimmXcit:
+    """Adapter: a timm XCiT classifier as one static `main` engine per image size and batch."""
+
+    kernel_groups = KERNEL_GROUPS
+    regions = REGIONS
+    # GPU kernels that no recognised op launched (compiled code, TensorRT), by name; first match wins.
+    kernel_patterns = [("FP8 GEMMs", r"(e4m3|fp8|f8f8|qqtst)"),
+                       ("convolutions", r"(conv|fprop|depthwise|dgrad)"),
+                       ("attention", r"(fmha|flash|attention|softmax)"),
+                       ("fp16 GEMMs", r"(gemm|hmma|xmma|cutlass|nvjet|triton_tem_.*mm)")]
+
+    # --- configuration -------------------------------------------------------------------
+    @staticmethod
+    def hf_config(architecture: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's timm config.json (architecture, num_classes, model_args, pretrained_cfg)."""
+        return {k: v for k, v in architecture.items() if k not in ("model_type", "source")}
+
+    def quantizable_layers(self, architecture: dict[str, Any]) -> list[str]:
+        """Linear layers of the graph module (timm's names), built on the meta device."""
+        with torch.device("meta"):
+            graph = Classifier(_create(self.hf_config(architecture)))
+        return [n for n, m in graph.named_modules() if isinstance(m, nn.Linear)]
+
+    @staticmethod
+    def check_setting(setting: base.Setting) -> list[str]:
+        shape = dict(setting.shape)
+        if set(shape) != {"height", "width"}:
+            return [f"setting {setting.name}: an XCiT setting's shape is {{height, width}}, not {sorted(shape)}"]
+        problems = []
+        if (shape["height"], shape["width"]) != (IMAGE_SIZE, IMAGE_SIZE):
+            problems.append(f"setting {setting.name}: the XCiT checkpoints take {IMAGE_SIZE} x {IMAGE_SIZE} images "
+                            f"(their pretrained_cfg input size, fixed_input_size), not {shape['height']} x "
+                            f"{shape['width']}; 384 px configs were not part of the study")
+        if setting.batch < 1:
+            problems.append(f"setting {setting.name}: batch must be at least 1, not {setting.batch}")
+        return problems
+
+    # --- loading -------------------------------------------------------------------------
+    @staticmethod
+    def load_reference(checkpoint: str | Path, dtype: Any = torch.float32) -> nn.Module:
+        """The timm model of the checkpoint folder (config.json + model.safetensors), in `dtype`, eval mode.
+
+        Built with pretrained=False and loaded with safetensors: nothing is downloaded. The
+        checkpoint goes through timm's XCiT filter, as timm's own pretrained loading does (it
+        renames official keys and splits a class-attention qkv; timm-format weights pass as they are).
+        """
+        from safetensors.torch import load_file
+        from timm.models.xcit import checkpoint_filter_fn
+
+        folder = Path(checkpoint)
+        model = _create(json.loads((folder / "config.json").read_text()))
+        model.load_state_dict(checkpoint_filter_fn(load_file(folder / "model.safetensors"), model))
+        return model.to(dtype).eval()
+
+    @staticmethod
+    def processor(checkpoint: str | Path):
+        """The eval transform of the checkpoint's pretrained_cfg (resize, center crop, ImageNet mean / std):
+        a PIL image -> [3, H, W] float32."""
+        from timm.data import create_transform, resolve_data_config
+
+        cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+        return create_transform(**resolve_data_config(pretrained_cfg=cfg["pretrained_cfg"]), is_training=False)
+
+    # --- graphs --------------------------------------------------------------------------
+    @staticmethod
+    def graphs(setting: base.Setting, architecture: dict[str, Any]) -> dict[str, base.Graph]:
+        """One static engine: the image batch in, the logits out (alike for every architecture)."""
+        shape = (setting.batch, 3, setting["height"], setting["width"])
+        return {"main": base.Graph("main", {"pixel_values": base.TensorSpec("float32", shape)}, ("logits",))}
+
+    def module(self, checkpoint: str | Path, graph: str = "main", setting: base.Setting | None = None) -> Classifier:
+        """The fp32 classifier of the checkpoint (the same module for every setting)."""
+        if graph != "main":
+            raise KeyError(f"timm_xcit has one graph, main, not {graph!r}")
+        return Classifier(self.load_reference(checkpoint, torch.float32)).eval()
+
+    def example_inputs(self, checkpoint: str | Path, graph: str, setting: base.Setting) -> base.Inputs:
+        """Seeded uniform-noise images through the checkpoint's eval transform, one per batch row."""
+        from PIL import Image
+
+        g = torch.Generator().manual_seed(0)
+        size = (setting["height"], setting["width"], 3)
+        images = [Image.fromarray(torch.randint(0, 256, size, generator=g, dtype=torch.uint8).numpy())
+                  for _ in range(setting.batch)]
+        return {"pixel_values": pixel_values(self.processor(checkpoint), images)}
+
+    # --- samples and inputs ----------------------------------------------------------------
+    @staticmethod
+    def draw_samples(rows, spec: dict[str, Any], processor: Any) -> list[dict[str, Any]]:
+        """Images of a WebDataset split (a `datasets` webdataset Dataset), in a seeded order.
+
+        kind images: every row in one order shuffled with `seed`, then rows [offset, offset + count)
+        of it. Sets drawn with the same seed and non-overlapping offsets are disjoint (the
+        study's calibration, held-out and extra held-out sets). A sample: {"id": the WebDataset
+        key, "label": the .cls class, "sha256": of the image bytes, "shard": the tar file in the
+        pinned snapshot, "member": the image's name in it}.
+        """
+        from datasets import Image
+
+        if spec["kind"] != "images":
+            raise ValueError(f"timm_xcit draws images, not {spec['kind']!r}")
+        order = list(range(len(rows)))
+        random.Random(spec.get("seed", 0)).shuffle(order)
+        offset = spec.get("offset", 0)
+        picked = order[offset:offset + spec["count"]]
+        # The image bytes as stored (no decoding): their hash is the sample's content hash.
+        for ext in sorted(set(IMAGE_EXTENSIONS) & set(rows.column_names)):
+            rows = rows.cast_column(ext, Image(decode=False))
+        samples = []
+        for i in picked:
+            row = rows[i]
+            ext = _image_column(row)
+            data = row[ext]["bytes"]
+            samples.append({"id": row["__key__"], "label": int(row["cls"]), "sha256": _sha(data),
+                            "shard": row["__url__"], "member": f"{row['__key__']}.{ext}"})
+        return samples
+
+    def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
+                            setting: base.Setting) -> list[base.Inputs]:
+        """The images through the checkpoint's eval transform, in batches of CALIBRATION_BATCH."""
+        transform = self.processor(checkpoint)
+        return [{"pixel_values": pixel_values(transform, load_images(samples[i:i + CALIBRATION_BATCH]))}
+                for i in range(0, len(samples), CALIBRATION_BATCH)]
+
+    @staticmethod
+    def stress_inputs(count: int, seed: int, size: int = IMAGE_SIZE) -> dict[str, Any]:
+        """Images that push activations to their extremes (fp16 range, FP8 scales): saturated,
+        black, gray, pure colours, high-contrast patterns at and around the patch size, noise.
+
+        Returns {"images": RGB PIL images of size x size, "kinds": their kinds}; the caller puts
+        them through the checkpoint's eval transform (`pixel_values`). Kinds cycle; noise and
+        colour draws differ per image (seeded).
+        """
+        import numpy as np
+        from PIL import Image
+
+        rng = np.random.default_rng(seed)
+        y, x = np.mgrid[0:size, 0:size]
+        full = lambda v: np.broadcast_to(np.asarray(v, dtype=np.uint8), (size, size, 3))
+        gray = lambda v: np.repeat(np.asarray(v, dtype=np.uint8)[..., None], 3, axis=2)
+        binary = lambda mask: gray(mask * 255)
+        centre = lambda r: (abs(x - size // 2) < r) & (abs(y - size // 2) < r)
+        kinds = {
+            "saturated white": lambda: full(255),
+            "black": lambda: full(0),
+            "constant gray": lambda: full(128),
+            "saturated red": lambda: full([255, 0, 0]),
+            "saturated green": lambda: full([0, 255, 0]),
+            "saturated blue": lambda: full([0, 0, 255]),
+            "checkerboard 1 px": lambda: binary((x + y) % 2),
+            "checkerboard 8 px": lambda: binary((x // 8 + y // 8) % 2),
+            "checkerboard 16 px (patch-aligned)": lambda: binary((x // 16 + y // 16) % 2),
+            "vertical stripes 2 px": lambda: binary((x // 2) % 2),
+            "horizontal stripes 4 px": lambda: binary((y // 4) % 2),
+            "red / cyan checkerboard": lambda: np.where(((x // 4 + y // 4) % 2)[..., None] == 1,
+                                                        full([255, 0, 0]), full([0, 255, 255])),
+            "uniform noise": lambda: rng.integers(0, 256, (size, size, 3), dtype=np.uint8),
+            "salt and pepper": lambda: binary(rng.random((size, size)) < 0.5),
+            "horizontal gradient": lambda: gray(x * 255 // (size - 1)),
+            "one white pixel on black": lambda: binary(centre(1)),
+            "white square on black": lambda: binary(centre(size // 8)),
+            "random solid colour": lambda: full(rng.integers(0, 256, 3)),
+        }
+        names = list(kinds)
+        out = [names[i % len(names)] for i in range(count)]
+        return {"images": [Image.fromarray(np.ascontiguousarray(kinds[k]())) for k in out], "kinds": out}
+
+    # --- embedded default ----------------------------------------------------------------
+    def tiny_checkpoint_files(self, architecture: dict[str, Any], tiny: dict[str, Any]) -> dict[str, bytes]:
+        """A random-init timm XCiT (fixed seed) as config.json (timm's hub layout) + model.safetensors.
+
+        Two departures from timm's init, both toward what trained weights look like. The vector
+        parameters (norms, biases, layer scales, channel-attention temperatures) are spread
+        around their init: timm makes every norm an identity and every layer scale eta, so two
+        layers that a wrong wiring swapped would compute alike. The batch norms' running
+        statistics are measured on seeded noise images, as training sets them: with timm's
+        (0, 1) the convolutional stem's output all but vanishes next to the positional
+        encoding, and the logits hardly depend on the image.
+        """
+        from safetensors.torch import save
+
+        torch.manual_seed(tiny["seed"])
+        cfg = self.hf_config(architecture)
+        model = _create(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1 or name.endswith("temperature"):
+                    p.mul_(1 + 0.2 * torch.randn_like(p)).add_(0.05 * torch.randn_like(p))
+            for bn in (m for m in model.modules() if isinstance(m, nn.BatchNorm2d)):
+                bn.reset_running_stats()
+                bn.momentum = None  # a plain average over the batch
+            images = torch.rand(8, *cfg["pretrained_cfg"]["input_size"]) * 4 - 2  # the normalized range
+            model.train()(images)
+        state = {k: v.contiguous() for k, v in model.eval().state_dict().items()}
+        return {"config.json": json.dumps(cfg, indent=1, sort_keys=True).encode(),
+                "model.safetensors": save(state, metadata={"format": "pt"})}
+
+    @staticmethod
+    def tiny_dataset_files(files: dict[str, str], tiny: dict[str, Any],
+                           architecture: dict[str, Any]) -> dict[str, bytes]:
+        """WebDataset tar shards of real photographs (scikit-image's), one seeded view per sample.
+
+        Each split's pattern names its shards (`test/*.tar` -> test/0.tar, test/1.tar, ...). A
+        sample is `<key>.webp` (a jittered crop of one photograph) and `<key>.cls` (the photo's
+        index modulo the model's classes), keys s0000000, s0000001, ... as in wds_imagenet1k.
+        """
+        rows, shards = tiny.get("rows", 40), tiny.get("shards", 2)
+        classes = architecture["num_classes"]
+        photos = [_photo(name) for name in PHOTOS]
+        out, key = {}, 0
+        for s, (split, pattern) in enumerate(sorted(files.items())):
+            rng = random.Random(tiny["seed"] * 1000 + s)
+            per_shard = -(-rows // shards)
+            for shard in range(shards):
+                members = {}
+                for _ in range(min(per_shard, rows - shard * per_shard)):
+                    p = rng.randrange(len(photos))
+                    buf = io.BytesIO()
+                    _jittered(photos[p], rng).save(buf, format="WEBP", quality=90)
+                    members[f"s{key:07d}.webp"] = buf.getvalue()
+                    members[f"s{key:07d}.cls"] = str(p % classes).encode()
+                    key += 1
+                out[pattern.replace("*", str(shard)) if "*" in pattern else pattern] = _tar(members)
+        return out
+
+    # --- measurements --------------------------------------------------------------------
+    def reference(self, checkpoint, samples, setting, metrics, seeds, device):
+        raise NotImplementedError(UNIMPLEMENTED)
+
+    def evaluate(self, checkpoint, run, reference, samples, setting, metrics, seeds, device):
+        raise NotImplementedError(UNIMPLEMENTED)
+
+    @staticmethod
+    def kernel_group(region: str | None, name: str, device: str, op: dict[str, Any] | None,
+                     setting: base.Setting | None = None) -> str:
+        """The group of a profiled CPU op or GPU kernel.
+
+        By region where the eager model marks one (FP8 layers, attention cores, convolutions).
+        Otherwise by the op (a GPU kernel: the op that launched it): torch._scaled_mm is an FP8
+        GEMM; a convolution op is a convolution; a GEMM of two activations (both operands of
+        rank 3 or more) is attention; other GEMMs (a rank-2 weight) are fp16 linears. Compiled
+        code and exported graphs keep no regions, hence the ops and then the kernel names.
+        """
+        from quantstudy.quantization import FP8_REGION
+        from quantstudy.timing import FP8_GEMM_OPS, GEMM_OPS
+
+        op_name = op["name"] if op else (name if device == "cpu" else None)
+        if region == FP8_REGION or op_name in FP8_GEMM_OPS:
+            return "FP8 GEMMs"
+        if region in REGIONS:
+            return REGIONS[region]
+        if op_name and CONV_OPS.search(op_name):
+            return "convolutions"
+        if op_name in GEMM_OPS:
+            shapes = op["shapes"] if op else []
+            batched = len(shapes) >= 2 and all(len(s) >= 3 for s in shapes[:2])
+            return "attention" if batched else "fp16 GEMMs"
+        if device == "cpu":
+            return "other"
+        for group, pattern in TimmXcit.kernel_patterns:
+            if re.search(pattern, name, re.I):
+                return group
+        return "other"
+
+    @staticmethod
+    def transforms() -> dict[str, Any]:
+        return {}

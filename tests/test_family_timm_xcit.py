@@ -1,0 +1,370 @@
+"""The timm_xcit family: recipe layers at real size, the graph module against timm, ONNX export
+(fp16, FP8 Q/DQ, fp32-Dequantize FP8) checked with ONNX Runtime and onnx's ReferenceEvaluator,
+and the WebDataset samples, calibration inputs and stress inputs.
+
+Tiny random-init checkpoints (config/architectures/tiny-xcit-nano.json) and a tiny dataset of
+scikit-image photographs, made by the family itself; real-size layouts on the meta device.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("timm", reason="the timm_xcit family builds timm models (timm is not in every environment)")
+
+from quantstudy import config, export, families, quantization  # noqa: E402
+from quantstudy.families.base import Family, Setting  # noqa: E402
+from quantstudy.families.timm_xcit import load_images  # noqa: E402
+
+RECIPE = {"quantize": ["blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc1", "blocks.*.mlp.fc2",
+                       "cls_attn_blocks.*.attn.k", "cls_attn_blocks.*.attn.v"],
+          "dequantize_dtype": "float16"}
+# The linears the write-up keeps in fp16: the class-attention q and proj, the class-attention
+# MLP (all one-token GEMVs over the class token) and the head.
+KEPT_FP16 = sorted([f"cls_attn_blocks.{i}.{layer}" for i in (0, 1)
+                    for layer in ("attn.q", "attn.proj", "mlp.fc1", "mlp.fc2")] + ["head"])
+S224 = Setting("224", 1, {"height": 224, "width": 224})
+VARIANTS = {"fp16": {"precision": "float16", "transforms": []},
+            "fp8": {"precision": "float16", "transforms": [{"fp8": {}}]},
+            "fp8-fp32": {"precision": "float32", "transforms": [{"fp8": {}}, {"fp32_dequantize": {}}]}}
+DATASET = {"seed": 0, "rows": 24, "shards": 2}
+# Tolerances relative to a row's largest logit (the ORT test says why): fp16 graphs, and the
+# fp32 FP8 graph, where only an activation on an FP8 rounding boundary can differ.
+FP16_TOL, FP32_FP8_TOL = 3e-3, 5e-4
+
+
+@pytest.fixture(scope="module")
+def fam():
+    return families.get("timm_xcit")
+
+
+def _checkpoint(fam, architecture: dict, folder, seed: int):
+    """The family's tiny checkpoint files of `architecture`, written to `folder`."""
+    for name, data in fam.tiny_checkpoint_files(architecture, {"seed": seed}).items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(fam, tmp_path_factory):
+    return _checkpoint(fam, config.load_architecture("tiny-xcit-nano"), tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def dataset(fam, tmp_path_factory):
+    """The tiny WebDataset split, placed like a snapshot and read by the `datasets` webdataset builder."""
+    pytest.importorskip("skimage", reason="the tiny dataset's photographs come from scikit-image")
+    datasets = pytest.importorskip("datasets")
+    root = tmp_path_factory.mktemp("wds")
+    files = fam.tiny_dataset_files({"test": "test/*.tar"}, DATASET, config.load_architecture("tiny-xcit-nano"))
+    for name, data in files.items():
+        (root / "snapshot" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "snapshot" / name).write_bytes(data)
+    shards = sorted(str(p) for p in (root / "snapshot").glob("test/*.tar"))
+    rows = datasets.load_dataset("webdataset", data_files=shards, split="train", cache_dir=str(root / "cache"))
+    return {"files": files, "rows": rows}
+
+
+# --- 1. the recipe at real size ---------------------------------------------------------------
+
+@pytest.mark.parametrize("architecture,fp8,linears", [
+    ("xcit-nano-12-p16-224", 52, 61), ("xcit-tiny-12-p16-224", 52, 61),
+    # the larger configs: depth x 4 + 2 x 2 FP8 layers, and the 9 one-token linears and head
+    ("xcit-small-12-p8-224", 52, 61), ("xcit-tiny-24-p8-224", 100, 109), ("xcit-small-24-p8-224", 100, 109),
+    ("xcit-medium-24-p8-224", 100, 109), ("xcit-large-24-p8-224", 100, 109)])
+def test_recipe_selects_the_write_ups_layers_at_real_size(fam, architecture, fp8, linears):
+    layers = fam.quantizable_layers(config.load_architecture(architecture))
+    chosen = quantization.select(layers, RECIPE["quantize"])
+    assert len(chosen) == fp8 and len(layers) == linears
+    assert sorted(set(layers) - set(chosen)) == KEPT_FP16
+
+
+@pytest.mark.parametrize("architecture", ["xcit-nano-12-p16-224", "xcit-tiny-12-p16-224", "xcit-small-12-p8-224",
+                                          "xcit-tiny-24-p8-224", "xcit-small-24-p8-224", "xcit-medium-24-p8-224",
+                                          "xcit-large-24-p8-224"])
+def test_recorded_model_args_are_the_timm_entry_points(architecture, monkeypatch):
+    """The architecture JSON's constructor kwargs are the ones timm's entry point passes (read from
+    the call the entry point makes, before anything is built)."""
+    import timm
+    from timm.models import xcit
+
+    passed = {}
+
+    def read_kwargs(_cls, _variant, _pretrained, **kwargs):
+        passed.update(kwargs)
+        raise StopIteration  # nothing to build: only the entry point's kwargs are wanted
+
+    monkeypatch.setattr(xcit, "build_model_with_cfg", read_kwargs)
+    arch = config.load_architecture(architecture)
+    with pytest.raises(StopIteration):
+        timm.create_model(arch["architecture"])
+    assert {k: passed[k] for k in arch["model_args"]} == arch["model_args"]
+
+
+# --- 4. the graph module is timm's math --------------------------------------------------------
+
+def test_fp32_module_equals_the_timm_model(fam, tiny):
+    """The tiny checkpoint, two images: the graph module's logits are the timm model's."""
+    x = fam.example_inputs(tiny, "main", Setting("b2", 2, {"height": 224, "width": 224}))["pixel_values"]
+    with torch.no_grad():
+        want = fam.load_reference(tiny, torch.float32)(x)
+        got = fam.module(tiny, "main", S224)(pixel_values=x)["logits"]
+    assert got.dtype == torch.float32 and got.shape == want.shape == (2, 10)
+    # Float32 rounding only: the same ops, in a different order where timm's class attention uses
+    # fused scaled_dot_product_attention and the graph module the explicit softmax (measured 2e-7).
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("tokens_norm,global_pool", [(True, "token"), (False, "avg")])
+def test_graph_module_equals_timm_on_its_other_paths(fam, tokens_norm, global_pool, tmp_path):
+    """The branches the tiny checkpoint does not take: class-attention blocks that normalize every
+    token (xcit_tiny and the larger configs; nano normalizes the class token only), and average
+    pooling. A tiny checkpoint of that layout, one image."""
+    arch = config.load_architecture("tiny-xcit-nano")
+    arch = {**arch, "global_pool": global_pool, "model_args": {**arch["model_args"], "tokens_norm": tokens_norm}}
+    folder = _checkpoint(fam, arch, tmp_path, seed=1)
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = fam.load_reference(folder, torch.float32)(x)
+        got = fam.module(folder, "main", S224)(pixel_values=x)["logits"]
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()  # float32 rounding, as above
+
+
+# --- 2. and 3. export, ONNX Runtime, ReferenceEvaluator ----------------------------------------
+
+def _amax(model, batches) -> dict:
+    """Per-tensor max of every linear layer's input and weight on real forwards (max calibration's
+    statistic; ModelOpt itself is exercised by the calibrate step)."""
+    amax, hooks = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            amax[name] = {"input_amax": 0.0, "weight_amax": float(m.weight.detach().abs().max())}
+
+            def hook(_m, inp, _out, name=name):
+                amax[name]["input_amax"] = max(amax[name]["input_amax"], float(inp[0].abs().max()))
+            hooks.append(m.register_forward_hook(hook))
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch)
+    for h in hooks:
+        h.remove()
+    return {"amax": amax, "outliers": {"layers": []}}
+
+
+def _qdq_layers(path) -> set[str]:
+    """The layers whose MatMul reads an FP8 weight through DequantizeLinear and a quantized
+    activation through QuantizeLinear -> DequantizeLinear, read from the graph's structure."""
+    import onnx
+
+    g = onnx.load(str(path)).graph
+    producer = {o: n for n in g.node for o in n.output}
+    fp8 = {i.name for i in g.initializer if i.data_type == onnx.TensorProto.FLOAT8E4M3FN and i.dims}
+    layers = set()
+    for node in g.node:
+        if node.op_type not in ("MatMul", "Gemm"):
+            continue
+        sources = [producer.get(i) for i in node.input]
+        dq = [s for s in sources if s is not None and s.op_type == "DequantizeLinear"]
+        weights = [s.input[0] for s in dq if s.input[0] in fp8]
+        activations = [s for s in dq if getattr(producer.get(s.input[0]), "op_type", None) == "QuantizeLinear"]
+        assert bool(dq) == bool(weights and activations), f"{node.name}: a MatMul with only part of its Q/DQ"
+        if weights:
+            layers.add(weights[0].removesuffix(".weight"))
+    return layers
+
+
+@pytest.fixture(scope="module")
+def exported(fam, tiny, dataset, tmp_path_factory):
+    """The three variants of the tiny model, exported at batch 1 as the export step does (inputs
+    in the variant's precision), and the rows they are run on: two calibration photographs and
+    two stress images (saturated white, 1 px checkerboard)."""
+    samples = fam.draw_samples(dataset["rows"], {"kind": "images", "count": 8, "seed": 0}, None)
+    batches = fam.calibration_batches(tiny, samples, S224)
+    amax = _amax(fam.module(tiny, "main", S224), batches)
+    stress = fam.stress_inputs(7, seed=0)
+    stress_x = torch.stack([fam.processor(tiny)(stress["images"][i]) for i in (0, 6)])
+    x = torch.cat([batches[0]["pixel_values"][:2], stress_x])
+    out = {"variants": {}}
+    for name, spec in VARIANTS.items():
+        fresh = lambda: quantization.apply_variant(fam.module(tiny, "main", S224), spec, RECIPE, amax)
+        model, summary = fresh()
+        rows = quantization.cast_inputs({"pixel_values": x}, spec["precision"])["pixel_values"]
+        with torch.no_grad():
+            torch_out = torch.cat([model(pixel_values=rows[i:i + 1])["logits"] for i in range(len(rows))])
+        example = quantization.cast_inputs(fam.example_inputs(tiny, "main", S224), spec["precision"])
+        info = export.export(fresh()[0], example, tmp_path_factory.mktemp(name))
+        out["variants"][name] = {"summary": summary, "info": info, "x": rows, "torch": torch_out.float().numpy()}
+    return out
+
+
+def _ort(path, x: torch.Tensor) -> np.ndarray:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # ORT CPU cannot constant-fold the fp16 positional-encoding Conv: a warning
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    rows = [session.run(["logits"], {"pixel_values": x[i:i + 1].numpy()})[0] for i in range(len(x))]
+    return np.concatenate(rows).astype(np.float32)
+
+
+def _row_error(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Largest difference of each row, relative to the row's largest |logit|."""
+    return np.abs(a - b).max(axis=1) / np.abs(b).max(axis=1)
+
+
+def test_export_io_and_qdq_on_exactly_the_recipe_layers(exported):
+    recipe_layers = {f"blocks.{b}.{layer}" for b in (0, 1) for layer in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
+    recipe_layers |= {f"cls_attn_blocks.{b}.attn.{p}" for b in (0, 1) for p in ("k", "v")}
+    for name, v in exported["variants"].items():
+        info, dtype = v["info"], VARIANTS[name]["precision"]
+        assert info["inputs"] == [{"name": "pixel_values", "dtype": dtype, "shape": [1, 3, 224, 224]}]
+        assert info["outputs"] == [{"name": "logits", "dtype": dtype, "shape": [1, 10]}]
+        expected = set() if name == "fp16" else recipe_layers
+        assert set(v["summary"]["fp8_layers"]) == expected
+        assert _qdq_layers(info["onnx"]) == expected
+        assert info["fp8_weight_initializers"] == len(expected)
+        assert set(info["fp8_layers"]) == expected
+        if name != "fp16":
+            # The class-attention k and v read one tensor at one scale: the exporter gives them one
+            # input Quantize, so 10 of the 12 layers' activations are quantized apart.
+            assert info["op_counts"]["QuantizeLinear"] == len(expected) - 2
+
+
+def test_onnx_runtime_matches_the_torch_variants(exported):
+    variants = exported["variants"]
+    for name, v in variants.items():
+        err = _row_error(_ort(v["info"]["onnx"], v["x"]), v["torch"])
+        if name == "fp8-fp32":
+            # Same fp32 math, same Q/DQ: a row agrees to fp32 rounding (2e-7) unless a one-ulp
+            # difference of an activation that sits on an FP8 rounding boundary moves it one FP8
+            # step (1/16 relative) in one of ORT and torch; a row with such flips differs by 1e-6
+            # to 1e-4 (measured on 22 images). Far below FP8's own effect (2e-3 to 1e-2).
+            assert err.max() <= FP32_FP8_TOL, (name, err)
+        else:
+            # fp16 work precision: ORT and torch round at different points (torch CPU rounds each
+            # op's fp32-computed result to fp16, ORT fuses and accumulates its own way): half an
+            # fp16 ulp per rounding, through 4 blocks and into fp16 logits, whose ulp is 6e-4 of
+            # the largest; FP8 adds the rare boundary flip of an activation before its
+            # QuantizeLinear. Measured up to 1.2e-3 on 22 images (2 ulps).
+            assert err.max() <= FP16_TOL, (name, err)
+    # The tolerance sees FP8: FP8 rounding moves these rows' logits by more (measured 2e-3 to 1e-2).
+    assert _row_error(variants["fp8"]["torch"], variants["fp16"]["torch"]).max() > FP16_TOL
+
+
+def test_reference_evaluator_agrees_with_onnx_runtime_on_the_fp8_graphs(exported):
+    """onnx.reference runs every op of both FP8 graphs (Conv, QuantizeLinear / DequantizeLinear to
+    float8e4m3fn ...): an implementation independent of ONNX Runtime for the Q/DQ semantics."""
+    from onnx.reference import ReferenceEvaluator
+
+    for name, tol in (("fp8-fp32", FP32_FP8_TOL), ("fp8", FP16_TOL)):
+        # One photograph and the saturated image: the evaluator is numpy, slow.
+        path, x = exported["variants"][name]["info"]["onnx"], exported["variants"][name]["x"][[0, 2]]
+        evaluator = ReferenceEvaluator(str(path))
+        ref = np.concatenate([evaluator.run(["logits"], {"pixel_values": x[i:i + 1].numpy()})[0]
+                              for i in range(len(x))]).astype(np.float32)
+        # fp8-fp32: fp32 everywhere, up to an FP8 boundary flip (measured 2e-7 to 1.5e-5). fp8:
+        # numpy's float16 kernels round and accumulate unlike ORT's (measured up to 1.5e-3).
+        assert _row_error(ref, _ort(path, x)).max() <= tol, name
+
+
+# --- settings, graphs, processor, inputs ------------------------------------------------------
+
+def test_settings_and_graphs(fam):
+    assert isinstance(fam, Family)
+    b32 = Setting("b32", 32, {"height": 224, "width": 224})
+    assert fam.check_setting(S224) == [] and fam.check_setting(b32) == []
+    assert "384 x 384" in fam.check_setting(Setting("384", 1, {"height": 384, "width": 384}))[0]
+    assert fam.check_setting(Setting("w", 1, {"window": 128}))
+    assert fam.check_setting(Setting("b0", 0, {"height": 224, "width": 224}))
+    g = fam.graphs(b32, config.load_architecture("xcit-nano-12-p16-224"))["main"]
+    assert g.outputs == ("logits",) and g.inputs["pixel_values"].shape == (32, 3, 224, 224)
+    assert not g.inputs["pixel_values"].dynamic  # one static engine per setting
+
+
+def test_processor_is_the_checkpoints_eval_transform(fam, tiny):
+    from PIL import Image
+
+    pixels = fam.processor(tiny)(Image.new("RGB", (451, 300), (128, 64, 255)))
+    assert pixels.shape == (3, 224, 224)
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    want = (torch.tensor([128, 64, 255]) / 255 - mean) / std
+    assert torch.allclose(pixels.mean(dim=(1, 2)), want, atol=1e-5)
+
+
+def test_example_inputs_are_deterministic_at_the_settings_batch(fam, tiny):
+    b4 = Setting("b4", 4, {"height": 224, "width": 224})
+    a, b = fam.example_inputs(tiny, "main", b4), fam.example_inputs(tiny, "main", b4)
+    assert a["pixel_values"].shape == (4, 3, 224, 224) and torch.equal(a["pixel_values"], b["pixel_values"])
+    assert not torch.equal(a["pixel_values"][0], a["pixel_values"][1])
+
+
+# --- samples ----------------------------------------------------------------------------------
+
+def test_tiny_dataset_is_webdataset_shards_of_distinct_photographs(fam, dataset):
+    files, rows = dataset["files"], dataset["rows"]
+    assert sorted(files) == ["test/0.tar", "test/1.tar"]
+    again = fam.tiny_dataset_files({"test": "test/*.tar"}, DATASET, config.load_architecture("tiny-xcit-nano"))
+    assert again == files  # seeded: the same spec gives the same bytes
+    assert len(rows) == DATASET["rows"] and "webp" in rows.column_names and "cls" in rows.column_names
+    assert set(rows["cls"]) <= set(range(10))
+    samples = fam.draw_samples(rows, {"kind": "images", "count": DATASET["rows"], "seed": 0}, None)
+    assert len({s["sha256"] for s in samples}) == DATASET["rows"]  # jittered views all differ
+
+
+def test_sample_sets_are_disjoint_and_load_back_by_hash(fam, dataset, tiny):
+    rows = dataset["rows"]
+    spec = {"kind": "images", "seed": 3}
+    sets = {"calibration": fam.draw_samples(rows, {**spec, "count": 8, "offset": 0}, None),
+            "heldout": fam.draw_samples(rows, {**spec, "count": 6, "offset": 8}, None),
+            "extra_heldout": fam.draw_samples(rows, {**spec, "count": 10, "offset": 14}, None)}
+    ids = {name: [s["id"] for s in samples] for name, samples in sets.items()}
+    assert [len(set(v)) for v in ids.values()] == [8, 6, 10]
+    assert len(set().union(*map(set, ids.values()))) == 24  # disjoint, and together every row
+    assert fam.draw_samples(rows, {**spec, "count": 8, "offset": 0}, None) == sets["calibration"]
+    assert json.loads(json.dumps(sets["heldout"])) == sets["heldout"]  # plain JSON, no pixels
+    for s in sets["calibration"]:
+        assert set(s) == {"id", "label", "sha256", "shard", "member"} and s["member"] == f"{s['id']}.webp"
+    batches = fam.calibration_batches(tiny, sets["calibration"], S224)
+    assert [b["pixel_values"].shape[0] for b in batches] == [8]
+    direct = torch.stack([fam.processor(tiny)(img) for img in load_images(sets["calibration"])])
+    assert torch.equal(batches[0]["pixel_values"], direct)
+    tampered = [{**sets["heldout"][0], "sha256": "0" * 64}]
+    with pytest.raises(ValueError, match="sha256"):
+        load_images(tampered)
+
+
+def test_stress_inputs_cover_the_extremes(fam, tiny):
+    stress = fam.stress_inputs(26, seed=0)
+    assert len(stress["images"]) == 26 and len(set(stress["kinds"])) >= 17
+    again = fam.stress_inputs(26, seed=0)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(stress["images"], again["images"]))
+    x = torch.stack([fam.processor(tiny)(img) for img in stress["images"]])
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    # Both ends of the normalized range, per channel: 0 and 255 pixels are in the set.
+    assert torch.allclose(x.amax(dim=(0, 2, 3)), (1 - mean) / std, atol=1e-5)
+    assert torch.allclose(x.amin(dim=(0, 2, 3)), -mean / std, atol=1e-5)
+
+
+# --- kernel groups ----------------------------------------------------------------------------
+
+def test_kernel_groups(fam):
+    from quantstudy.quantization import FP8_REGION
+
+    op = lambda name, *shapes: {"name": name, "shapes": [list(s) for s in shapes], "dtypes": []}
+    assert fam.kernel_group(FP8_REGION, "aten::mm", "cpu", None) == "FP8 GEMMs"
+    assert fam.kernel_group("xcit.attention", "aten::softmax", "cpu", None) == "attention"
+    assert fam.kernel_group("xcit.convolutions", "aten::batch_norm", "cpu", None) == "convolutions"
+    assert fam.kernel_group(None, "aten::linear", "cpu", op("aten::linear", (1, 197, 128), (128, 128))) == "fp16 GEMMs"
+    assert fam.kernel_group(None, "k", "cuda", op("aten::matmul", (1, 4, 32, 196), (1, 4, 196, 32))) == "attention"
+    assert fam.kernel_group(None, "k", "cuda", op("aten::cudnn_convolution", (1, 128, 14, 14))) == "convolutions"
+    assert fam.kernel_group(None, "aten::mkldnn_convolution", "cpu", None) == "convolutions"
+    assert fam.kernel_group(None, "k", "cuda", op("aten::_scaled_mm", (196, 128), (128, 384))) == "FP8 GEMMs"
+    assert fam.kernel_group(None, "sm90_xmma_gemm_e4m3f16_tn", "cuda", None) == "FP8 GEMMs"
+    assert fam.kernel_group(None, "sm90_xmma_fprop_implicit_gemm_f16f16", "cuda", None) == "convolutions"
+    assert fam.kernel_group(None, "sm90_xmma_gemm_f16f16_f32", "cuda", None) == "fp16 GEMMs"
+    assert fam.kernel_group(None, "vectorized_layer_norm_kernel", "cuda", None) == "other"
+    assert set(fam.regions.values()) <= set(fam.kernel_groups)

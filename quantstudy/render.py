@@ -82,11 +82,8 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
     a family's template block reads its columns through `column_range` and `ratio_range`."""
     spec, cand, baselines = t["spec"], t["spec"]["candidate"], t["baselines"]
     settings = spec["settings"]
-    by = defaultdict(dict)
-    for row in t["speed"]:
-        by[(row["target"], row["model"], row["setting"], row.get("graph"))][row["variant"]] = row
     speed_rows = []
-    for (target, model, setting, graph), variants in by.items():
+    for (target, model, setting, graph), variants in _by_graph(t["speed"]).items():
         c = variants.get(cand, {})
         speed_rows.append({"target": target, "gpu": c.get("gpu") or next(iter(variants.values()))["gpu"],
                            "model": model, "setting": setting, "graph": graph, "batch": settings[setting]["batch"],
@@ -120,9 +117,7 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
                                 "baseline_bytes": base["engine_bytes"], "candidate_bytes": b["engine_bytes"],
                                 "change": b["engine_bytes"] / base["engine_bytes"] - 1})
 
-    kernels = defaultdict(dict)
-    for k in t["kernels"]:
-        kernels[(k["target"], k["model"], k["setting"], k.get("graph"))][k["variant"]] = k
+    kernels = _by_graph(t["kernels"])
     variant_summary = {v: {"x_batch1": value_range(r["variants"].get(v, {}).get("x")
                                                    for r in speed_rows if r["batch"] == 1)}
                        for v in spec["variants"]}
@@ -143,6 +138,21 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "gpus": sorted({r["gpu"] for r in t["speed"]}), "decision": t["decision"],
         "variant_summary": variant_summary, "references": references, "several_graphs": len(graphs) > 1,
     }
+
+
+def _by_graph(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, Any]]]:
+    """(target, model, setting, graph) -> {variant: row}. A failed measurement has no graph: it
+    stands in every graph of its target, model and setting (or alone, where none was measured)."""
+    groups: dict[tuple, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for row in rows:
+        if row.get("graph") is not None:
+            groups[(row["target"], row["model"], row["setting"], row["graph"])][row["variant"]] = row
+    for row in rows:
+        if row.get("graph") is None:
+            keys = [k for k in groups if k[:3] == (row["target"], row["model"], row["setting"])]
+            for key in keys or [(row["target"], row["model"], row["setting"], None)]:
+                groups[key][row["variant"]] = row
+    return groups
 
 
 def shape_label(shape: dict[str, Any]) -> str:

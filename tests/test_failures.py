@@ -13,6 +13,7 @@ from quantstudy import steps
 SETTING = {"name": "w64", "batch": 1, "shape": {"window": 64}, "quality": True}
 TARGET = {"target": "cpu-torch", "backend": "torch", "device": "cpu"}
 FP16 = {"precision": "float16", "transforms": []}
+ARCHITECTURE = {}  # FNet's graphs do not depend on it
 
 
 def ident(variant: str) -> dict:
@@ -23,7 +24,7 @@ def ident(variant: str) -> dict:
 def built(tiny_inputs, tmp_path_factory):
     """An fp16 engine of the tiny model, built by the build step."""
     out = tmp_path_factory.mktemp("engine") / "fp16" / "build.json"
-    steps.build(ident("fp16"), "fnet", TARGET, SETTING, FP16, tiny_inputs["study"].recipe,
+    steps.build(ident("fp16"), "fnet", TARGET, SETTING, ARCHITECTURE, FP16, tiny_inputs["study"].recipe,
                 str(tiny_inputs["checkpoint"]), None, str(out))
     assert json.loads(out.read_text())["status"] == "ok"
     return out
@@ -38,7 +39,7 @@ def _failed(path, kind: str, words: str) -> None:
 def test_export_failure_is_recorded(tiny_inputs, tmp_path):
     out = tmp_path / "export.json"
     fp8 = {"precision": "float16", "transforms": [{"fp8": {}}]}
-    steps.export({k: v for k, v in ident("fp8").items() if k != "target"}, "fnet", SETTING, fp8,
+    steps.export({k: v for k, v in ident("fp8").items() if k != "target"}, "fnet", SETTING, ARCHITECTURE, fp8,
                  tiny_inputs["study"].recipe, str(tiny_inputs["checkpoint"]), None, str(out))
     _failed(out, "export", "the fp8 transform needs an amax file")
 

@@ -33,11 +33,13 @@ machine() {
 transformers.__version__, 'snakemake', snakemake.__version__, 'modelopt', modelopt.__version__,
 torch.cuda.get_device_name(), torch.cuda.get_device_capability())"; lscpu | head -20; free -g; } > $ev/machine.txt 2>&1
 }
-# The backend contract suite (torch on CPU, torch-cuda; onnxruntime/tensorrt where they import)
-# and the GPU unit tests.
+# The family contract suite over every family and backend (torch on CPU, torch-cuda;
+# onnxruntime/tensorrt where they import), the FNet backend suite, the GPU unit tests and the
+# families' own tests, with QUANTSTUDY_REQUIRE_GPU=1: a GPU test that would skip here fails.
 # A failing test is recorded (its exit status ends pytest.txt), and the study still runs.
 contract() {
-  python3 -m pytest tests/test_backends.py tests/test_gpu.py -q -rs -p no:cacheprovider > $ev/pytest.txt 2>&1
+  QUANTSTUDY_REQUIRE_GPU=1 python3 -m pytest tests/test_contract.py tests/test_backends.py tests/test_gpu.py \
+    tests/test_family_*.py -q -rs -p no:cacheprovider > $ev/pytest.txt 2>&1
   echo "pytest exit status $?" >> $ev/pytest.txt
 }
 sm="python3 -m snakemake --configfile config/h200.yaml --cores 16 --keep-going --rerun-incomplete"

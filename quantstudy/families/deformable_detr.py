@@ -1,0 +1,340 @@
+"""Deformable DETR (SenseTime/deformable-detr) as one detector engine: pixels -> logits, boxes.
+
+The engine is the write-up's: batch 1, dynamic height and width (one ONNX serves 800 x 800
+and 800 x 1067), input `pixel_values` (as the image processor makes them, in the variant's
+precision) and outputs `logits` and `pred_boxes`. It takes no pixel mask: a batch of one
+image resized by the processor is never padded, so the mask is all ones, and an all-ones mask
+changes nothing (Transformers' valid ratios are exactly 1 and its masked fills are no-ops).
+All sizes share the engine, so they share one amax file: the study calibrates by no shape key
+(`calibrate_by: []`), and calibration images keep the processor's own resize.
+
+`DetectorEngine` runs the Transformers modules (backbone, input projections, position
+embedding, encoder and decoder layers) as DeformableDetrForObjectDetection runs them, with
+two differences that keep the math and make the graph exportable with dynamic sizes:
+- it builds the encoder's inputs itself: the level shapes as a tensor made from the symbolic
+  sizes, and the encoder's reference points as `(arange(h) + 0.5) / h` (bit-equal to
+  Transformers' `linspace(0.5, h - 0.5, h) / h`). Transformers' `torch.as_tensor(spatial_shapes_list)`
+  and `linspace` over a symbolic size make torch.export specialize height and width to the
+  example's;
+- the decoder's reference points depend on the weights only, so they are computed once and
+  kept as a buffer (an engine builder folds them too), and only the last decoder layer's
+  heads run (the others only feed the training loss). The graph then holds exactly the
+  write-up's 100 linears: 6 x 6 in the encoder, 6 x 10 in the decoder, the class head and the
+  three box-head layers.
+
+Export: quantstudy.export.export (torch.onnx.export(dynamo=True)) with dynamic height and
+width works for fp32, fp16 and FP8 Q/DQ; the multi-scale deformable attention becomes
+GridSample (opset 16+), which ONNX Runtime CPU runs. The legacy exporter is not needed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantstudy.families import base, register
+
+# Kernel-time groups of the write-up, in the order it names them: the GEMMs (all linears and
+# the decoder's self-attention products), GridSample (the deformable attention), the fused
+# normalization and elementwise kernels, the backbone and input-projection convolutions.
+KERNEL_GROUPS = ["GEMM", "GridSample", "normalization and elementwise", "convolution", "other"]
+REGIONS: dict[str, str] = {}  # the ops are recognisable by name; no record_function regions
+
+# A CPU op (or the op that launched a GPU kernel) by name: torch (`aten::...`) and ONNX
+# Runtime (`onnxruntime::<OpType>`) names.
+OP_PATTERNS = [("GridSample", r"grid_sampler|::gridsample$"),
+               ("convolution", r"conv"),
+               ("normalization and elementwise",
+                r"norm|softmax|::(add|sub|mul|div|neg|relu|sigmoid|exp|log|sin|cos|pow|sqrt|rsqrt|reciprocal|clamp"
+                r"|clamp_min|masked_fill|where|cast|_to_copy|copy)_?$")]
+# A GPU kernel whose op is unknown (compiled code, TensorRT), by its name. Convolutions
+# first: cuDNN's implicit-GEMM kernels would otherwise read as GEMMs.
+KERNEL_PATTERNS = [("GridSample", r"grid_?sampl"),
+                   ("convolution", r"conv|fprop|implicit"),
+                   ("GEMM", r"gemm|hmma|xmma|cutlass|nvjet|e4m3|fp8|triton_tem_.*mm"),
+                   ("normalization and elementwise",
+                    r"norm|elementwise|vectorized|reduce|softmax|pointwise|__myl_|triton_(poi|per|red)_")]
+
+# Dynamic height and width: every image the checkpoint's processor makes (longest edge
+# 1333) down to 65, the smallest size whose coarsest (stride-64) level has two cells; a
+# one-cell level makes torch.export specialize the sizes.
+SIZE_MIN, SIZE_MAX = 65, 1333
+
+# The tiny checkpoint's processor: the real one (shortest edge 800, longest 1333) scaled by
+# 0.12, so that a 4:3 image becomes 96 x 128 as it becomes 800 x 1067 at real size.
+TINY_PROCESSOR_SIZE = {"shortest_edge": 96, "longest_edge": 160}
+
+# Transformers ResNet configs of the timm backbones, for building a real-size model where
+# timm is not installed (only to name its linears: the backbone has none).
+TIMM_BACKBONES = {"resnet50": {"model_type": "resnet", "embedding_size": 64, "depths": [3, 4, 6, 3],
+                               "hidden_sizes": [256, 512, 1024, 2048], "layer_type": "bottleneck"}}
+
+NOT_YET = "deformable_detr: the study's metrics come with its study (issue 9)"
+
+
+class DetectorEngine(nn.Module):
+    """pixel_values [batch, 3, height, width] -> logits [batch, queries, labels], pred_boxes [batch, queries, 4].
+
+    The modules keep their Transformers names (`model.encoder.layers.0.self_attn.value_proj`,
+    ...), so recipe patterns read like the reference model's. See the module docstring for
+    what differs from `DeformableDetrForObjectDetection.forward`.
+    """
+
+    def __init__(self, detector: nn.Module):
+        super().__init__()
+        cfg = detector.config
+        if cfg.two_stage or cfg.with_box_refine:
+            raise ValueError("deformable_detr: the engine is the one-stage model without box refinement "
+                             "(two_stage and with_box_refine false)")
+        self.model = detector.model
+        self.class_embed = detector.class_embed[-1]
+        self.bbox_embed = detector.bbox_embed[-1]
+        with torch.no_grad():
+            query_pos = self.model.query_position_embeddings.weight[:, :cfg.d_model]
+            self.register_buffer("reference_points", self.model.reference_points(query_pos).sigmoid())
+        del self.model.reference_points
+
+    def _levels(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The feature maps of every level, projected to d_model (Transformers' order)."""
+        m = self.model
+        features = m.backbone.model(x)
+        features = list(features.feature_maps if isinstance(features, dict) else features)
+        sources = [m.input_proj[level](f) for level, f in enumerate(features)]
+        # The extra levels: strided 3x3 convolutions on the last backbone map, then on each other.
+        for level in range(len(sources), m.config.num_feature_levels):
+            sources.append(m.input_proj[level](features[-1] if level == len(features) else sources[-1]))
+        return sources
+
+    def forward(self, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
+        from transformers.models.deformable_detr.modeling_deformable_detr import inverse_sigmoid
+
+        m = self.model
+        x = pixel_values
+        flat, position, shapes, encoder_points = [], [], [], []
+        for level, source in enumerate(self._levels(x)):
+            batch, channels, h, w = source.shape
+            pos = m.position_embedding(shape=source.shape, device=x.device, dtype=x.dtype).to(source.dtype)
+            flat.append(source.flatten(2).transpose(1, 2))
+            position.append(pos.flatten(2).transpose(1, 2) + m.level_embed[level].view(1, 1, -1))
+            shapes.append((h, w))
+            ys = (torch.arange(h, device=x.device, dtype=x.dtype) + 0.5) / h
+            xs = (torch.arange(w, device=x.device, dtype=x.dtype) + 0.5) / w
+            grid = torch.stack([xs[None, :].expand(h, w), ys[:, None].expand(h, w)], -1)
+            encoder_points.append(grid.reshape(1, h * w, 2))
+        hidden = torch.cat(flat, 1)
+        position = torch.cat(position, 1)
+        levels = len(shapes)
+        spatial_shapes = torch.tensor(shapes, dtype=torch.long, device=x.device)
+        level_start = torch.cat((spatial_shapes.new_zeros((1,)), spatial_shapes.prod(1).cumsum(0)[:-1]))
+        # Every level's reference points (Transformers multiplies them by the valid ratios, all 1).
+        points = torch.cat(encoder_points, 1)[:, :, None].expand(batch, -1, levels, 2)
+        for layer in m.encoder.layers:
+            hidden = layer(hidden, None, spatial_position_embeddings=position, reference_points=points,
+                           spatial_shapes=spatial_shapes, spatial_shapes_list=shapes, level_start_index=level_start)
+        query_pos, decoded = (q.unsqueeze(0).expand(batch, -1, -1)
+                              for q in torch.split(m.query_position_embeddings.weight, channels, dim=1))
+        reference = self.reference_points.to(x.dtype)
+        points = reference[None, :, None].expand(batch, -1, levels, 2)
+        for layer in m.decoder.layers:
+            decoded = layer(decoded, query_pos, points, spatial_shapes, shapes, level_start,
+                            encoder_hidden_states=hidden, encoder_attention_mask=None)
+        delta = self.bbox_embed(decoded)
+        # Two-coordinate reference points move the box centre only (as Transformers does).
+        centre = delta[..., :2] + inverse_sigmoid(reference).unsqueeze(0)
+        boxes = torch.cat([centre, delta[..., 2:]], -1).sigmoid()
+        return {"logits": self.class_embed(decoded), "pred_boxes": boxes}
+
+
+@register("deformable_detr")
+class DeformableDetr:
+    """Adapter: the Deformable DETR detector engine, its inputs, layer names and kernel groups."""
+
+    kernel_groups = KERNEL_GROUPS
+    regions = REGIONS
+
+    # --- configuration and loading -------------------------------------------------------
+    @staticmethod
+    def hf_config(architecture: dict[str, Any]):
+        """DeformableDetrConfig of a recorded architecture (the real one names a timm backbone)."""
+        from transformers import DeformableDetrConfig
+
+        return DeformableDetrConfig(**{k: v for k, v in architecture.items() if k not in ("model_type", "source")})
+
+    @staticmethod
+    def load_reference(checkpoint: str | Path, dtype: Any = torch.float32) -> nn.Module:
+        """Transformers DeformableDetrForObjectDetection at `checkpoint`, in `dtype`, eval mode."""
+        from transformers import DeformableDetrForObjectDetection
+
+        return DeformableDetrForObjectDetection.from_pretrained(str(checkpoint), dtype=dtype).eval()
+
+    @staticmethod
+    def processor(checkpoint: str | Path):
+        """The checkpoint's DeformableDetrImageProcessor, PIL backend.
+
+        Pinned to the PIL backend: `AutoImageProcessor` picks the torchvision one where
+        torchvision imports (GPU nodes) and PIL elsewhere, and the two resize differently.
+        """
+        from transformers.models.deformable_detr.image_processing_pil_deformable_detr import (
+            DeformableDetrImageProcessorPil)
+
+        return DeformableDetrImageProcessorPil.from_pretrained(str(checkpoint))
+
+    def quantizable_layers(self, architecture: dict[str, Any]) -> list[str]:
+        """The engine's linear layers, named as in DetectorEngine, built on the meta device.
+
+        A timm backbone is replaced by its Transformers equivalent (timm need not be
+        installed): neither has a linear layer, so the names are the same.
+        """
+        from transformers import DeformableDetrForObjectDetection
+
+        cfg = self.hf_config(architecture)
+        if cfg.backbone_config.model_type == "timm_backbone":
+            cfg = self.hf_config({**architecture, **transformers_backbone(cfg.backbone_config)})
+        with torch.device("meta"):
+            engine = DetectorEngine(DeformableDetrForObjectDetection(cfg))
+        return [n for n, m in engine.named_modules() if isinstance(m, nn.Linear)]
+
+    @staticmethod
+    def check_setting(setting: base.Setting) -> list[str]:
+        """A setting is {height, width} within the engine's dynamic range, at batch 1."""
+        problems = []
+        if set(setting.shape) != {"height", "width"}:
+            problems.append(f"setting {setting.name}: a detector setting's shape is {{height, width}}, "
+                            f"not {{{', '.join(sorted(setting.shape))}}}")
+        if setting.batch != 1:
+            problems.append(f"setting {setting.name}: the detector engine is batch 1 (images of different "
+                            f"sizes would need padding and a pixel mask), not {setting.batch}")
+        for key in ("height", "width"):
+            size = setting.shape.get(key)
+            if isinstance(size, int) and not SIZE_MIN <= size <= SIZE_MAX:
+                problems.append(f"setting {setting.name}: {key} {size} is outside the engine's dynamic range "
+                                f"{SIZE_MIN} to {SIZE_MAX}")
+        return problems
+
+    # --- embedded default ----------------------------------------------------------------
+    def tiny_checkpoint_files(self, architecture: dict[str, Any], tiny: dict[str, Any]) -> dict[str, bytes]:
+        """A random-init DeformableDetrForObjectDetection (seed `tiny["seed"]`) with its image processor config.
+
+        Transformers initialises the sampling-offset and attention-weight projections to zero
+        (training starts from a fixed sampling grid); a trained model's depend on the image,
+        so the tiny model gets random weights there and its GridSample coordinates move with
+        the input as they do in the real model.
+        """
+        from transformers import DeformableDetrForObjectDetection
+
+        torch.manual_seed(tiny["seed"])
+        cfg = self.hf_config(architecture)
+        model = DeformableDetrForObjectDetection(cfg).eval()
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                if name.endswith((".sampling_offsets", ".attention_weights")):
+                    nn.init.normal_(module.weight, std=cfg.d_model ** -0.5)
+        processor = {"image_processor_type": "DeformableDetrImageProcessor", "format": "coco_detection",
+                     "do_resize": True, "size": TINY_PROCESSOR_SIZE, "resample": 2, "do_rescale": True,
+                     "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.485, 0.456, 0.406],
+                     "image_std": [0.229, 0.224, 0.225], "do_pad": True}
+        with tempfile.TemporaryDirectory() as tmp:
+            # save_pretrained stores the tied prediction heads once, as from_pretrained expects.
+            model.save_pretrained(tmp)
+            files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+        files["preprocessor_config.json"] = json.dumps(processor, indent=1, sort_keys=True).encode()
+        return files
+
+    def tiny_dataset_files(self, files: dict[str, str], tiny: dict[str, Any],
+                           architecture: dict[str, Any]) -> dict[str, bytes]:
+        raise NotImplementedError(NOT_YET)
+
+    # --- samples and inputs --------------------------------------------------------------
+    def draw_samples(self, rows: Any, spec: dict[str, Any], processor: Any) -> list[dict[str, Any]]:
+        raise NotImplementedError(NOT_YET)
+
+    def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
+                            setting: base.Setting) -> list[dict[str, torch.Tensor]]:
+        """One batch per image ({"id", "image": HxWx3 uint8 array or PIL image, "sha256"}).
+
+        Each image keeps the checkpoint processor's own resize (shortest edge 800, longest
+        1333 at real size), as the write-up calibrated the Transformers model: the amax file
+        does not depend on the setting, and every size's engine shares it.
+        """
+        processor = self.processor(checkpoint)
+        return [{"pixel_values": processor(images=s["image"], return_tensors="pt")["pixel_values"]} for s in samples]
+
+    @staticmethod
+    def graphs(setting: base.Setting, architecture: dict[str, Any]) -> dict[str, base.Graph]:
+        """One engine, the same for every architecture: dynamic height and width, the setting's size as opt."""
+        height, width = setting["height"], setting["width"]
+        pixels = base.TensorSpec("float32", (setting.batch, 3, height, width),
+                                 {2: base.Dim("height", SIZE_MIN, height, SIZE_MAX),
+                                  3: base.Dim("width", SIZE_MIN, width, SIZE_MAX)})
+        return {"main": base.Graph("main", {"pixel_values": pixels}, ("logits", "pred_boxes"))}
+
+    def module(self, checkpoint: str | Path, graph: str, setting: base.Setting) -> DetectorEngine:
+        """The fp32 detector engine of the checkpoint (graph "main")."""
+        _check_graph(graph)
+        return DetectorEngine(self.load_reference(checkpoint, torch.float32)).eval()
+
+    @staticmethod
+    def example_inputs(checkpoint: str | Path, graph: str, setting: base.Setting) -> dict[str, torch.Tensor]:
+        """Seeded normalized pixels of the setting's size (the processor's output has unit scale)."""
+        _check_graph(graph)
+        g = torch.Generator().manual_seed(0)
+        return {"pixel_values": torch.randn(setting.batch, 3, setting["height"], setting["width"], generator=g)}
+
+    # --- measurements --------------------------------------------------------------------
+    def reference(self, checkpoint, samples, setting, metrics, seeds, device):
+        raise NotImplementedError(NOT_YET)
+
+    def evaluate(self, checkpoint, run, reference, samples, setting, metrics, seeds, device):
+        raise NotImplementedError(NOT_YET)
+
+    @staticmethod
+    def kernel_group(region: str | None, name: str, device: str, op: dict[str, Any] | None,
+                     setting: base.Setting | None = None) -> str:
+        """The write-up's kernel group of a profiled CPU op or GPU kernel.
+
+        An FP8 layer's region or a GEMM op is a GEMM; other ops go by name (GridSample,
+        convolutions, normalization and elementwise). A GPU kernel goes by the op that
+        launched it, else (compiled code, TensorRT) by its own name.
+        """
+        from quantstudy.quantization import FP8_REGION
+        from quantstudy.timing import GEMM_OPS
+
+        op_name = op["name"] if op else (name if device == "cpu" else None)
+        if region == FP8_REGION or op_name in GEMM_OPS:
+            return "GEMM"
+        for group, pattern in OP_PATTERNS:
+            if op_name and re.search(pattern, op_name, re.I):
+                return group
+        if device != "cpu":
+            for group, pattern in KERNEL_PATTERNS:
+                if re.search(pattern, name, re.I):
+                    return group
+        return "other"
+
+    @staticmethod
+    def transforms() -> dict:
+        return {}
+
+
+def transformers_backbone(timm_config: Any) -> dict[str, Any]:
+    """Architecture keys that replace a timm backbone by its Transformers ResNet equivalent (same feature maps)."""
+    name = timm_config.backbone
+    if name not in TIMM_BACKBONES:
+        raise ValueError(f"deformable_detr: no Transformers equivalent of the timm backbone {name!r} "
+                         f"(known: {', '.join(TIMM_BACKBONES)})")
+    # timm's feature index i (0 = stem) is the Transformers ResNet's stage i.
+    stages = [f"stage{i}" for i in timm_config.out_indices]
+    return {"use_timm_backbone": False, "backbone": None, "use_pretrained_backbone": False,
+            "backbone_config": {**TIMM_BACKBONES[name], "num_channels": timm_config.num_channels,
+                                "out_features": stages}}
+
+
+def _check_graph(graph: str) -> None:
+    if graph != "main":
+        raise KeyError(f"deformable_detr has one graph, 'main', not {graph!r}")

@@ -14,6 +14,30 @@ ROOT = Path(__file__).resolve().parent.parent
 TEST_CONFIG = ROOT / ".test" / "config.yaml"
 
 
+def observed_amax(model, batches: list[dict]) -> dict:
+    """An amax document from forward hooks: the per-tensor max of every linear layer's input (every
+    call, over the batches) and weight, the statistic max calibration keeps. Tests of graphs use
+    it; ModelOpt itself is exercised by the calibrate step."""
+    import torch
+
+    amax, hooks = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            amax[name] = {"input_amax": 0.0, "weight_amax": float(m.weight.detach().abs().max())}
+
+            def hook(_m, inp, _out, name=name):
+                amax[name]["input_amax"] = max(amax[name]["input_amax"], float(inp[0].detach().abs().max()))
+            hooks.append(m.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                model(**batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"amax": amax, "outliers": {"layers": []}}
+
+
 def skip_without_gpu(reason: str) -> None:
     """Skip a test that needs a GPU this machine lacks; with QUANTSTUDY_REQUIRE_GPU=1 (GPU evidence
     runs), fail instead, so that a GPU path cannot go unnoticed where a GPU should be."""

@@ -18,7 +18,7 @@ import torch
 from quantstudy import backends, config, export, families, quantization
 from quantstudy.families.base import Setting
 
-from conftest import skip_without_gpu
+from conftest import observed_amax, skip_without_gpu
 
 RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
           "dequantize_dtype": "float16"}
@@ -76,24 +76,6 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _amax(model: torch.nn.Module, ids: torch.Tensor) -> dict:
-    """Per-tensor max of every linear layer's input and weight: the statistic max calibration keeps
-    (ModelOpt itself is exercised by the calibrate step; here only the graph is under test)."""
-    amax, hooks = {}, []
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear):
-            amax[name] = {"input_amax": 0.0, "weight_amax": float(m.weight.detach().abs().max())}
-
-            def hook(_m, inp, _out, name=name):
-                amax[name]["input_amax"] = max(amax[name]["input_amax"], float(inp[0].abs().max()))
-            hooks.append(m.register_forward_hook(hook))
-    with torch.no_grad():
-        model(input_ids=ids)
-    for h in hooks:
-        h.remove()
-    return {"amax": amax, "outliers": {"layers": []}}
-
-
 class Case:
     """One variant of one tiny model at one window: its torch module, inputs and (lazily) its ONNX."""
 
@@ -102,7 +84,7 @@ class Case:
         self.checkpoint, self.spec, self.tmp = checkpoint, VARIANTS[variant], tmp
         self.setting = Setting(f"w{window}", 1, {"window": window})
         self.ids = fam.stress_inputs(fam.processor(checkpoint), window, 4, seed=0)["input_ids"]
-        self.amax = _amax(fam.module(checkpoint, "main", self.setting), self.ids)
+        self.amax = observed_amax(fam.module(checkpoint, "main", self.setting), [{"input_ids": self.ids}])
         self.module = self.fresh()
         with torch.no_grad():
             self.expected = torch.cat([self.module(input_ids=self.ids[i:i + 1])["features"]

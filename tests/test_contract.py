@@ -26,7 +26,7 @@ import torch
 from quantstudy import backends, config, export, families, quantization
 from quantstudy.families.base import Family, Setting
 
-from conftest import skip_without_gpu
+from conftest import observed_amax, skip_without_gpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,24 +104,6 @@ def _target(name: str) -> dict:
             "builder": {"timing_cache_dir": str(Path(tempfile.gettempdir()) / "quantstudy-test-tensorrt-cache")}}
 
 
-def _amax(model: torch.nn.Module, inputs: dict) -> dict:
-    """Per-tensor max of every linear layer's input and weight on one forward: the statistic max
-    calibration keeps (ModelOpt itself is exercised by the calibrate step)."""
-    amax, hooks = {}, []
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear):
-            amax[name] = {"input_amax": 1e-6, "weight_amax": float(m.weight.detach().abs().max())}
-
-            def hook(_m, inp, _out, name=name):
-                amax[name]["input_amax"] = max(amax[name]["input_amax"], float(inp[0].detach().abs().max()))
-            hooks.append(m.register_forward_hook(hook))
-    with torch.no_grad():
-        model(**inputs)
-    for h in hooks:
-        h.remove()
-    return {"amax": amax, "outliers": {"layers": []}}
-
-
 def _perturbed(inputs: dict, seed: int) -> dict:
     """Another input of the same shapes and dtypes: ids shifted within the vocabulary of the example's
     own range, floating inputs with noise."""
@@ -165,7 +147,7 @@ class FamilyCase:
     def variant(self, graph: str, variant: str, checkpoint: int = 0) -> torch.nn.Module:
         if graph not in self._amax:
             module = self.fam.module(self.checkpoints[0], graph, self.case.setting)
-            self._amax[graph] = _amax(module, self.inputs(graph, "float32"))
+            self._amax[graph] = observed_amax(module, [self.inputs(graph, "float32")])
         module = self.fam.module(self.checkpoints[checkpoint], graph, self.case.setting)
         spec = FP32_FP8 if variant == "fp32-fp8" else VARIANTS[variant]
         return quantization.apply_variant(module, spec, self.recipe, self._amax[graph], self.fam.transforms())[0]

@@ -18,7 +18,7 @@ from quantstudy.backends import torch_backend
 from quantstudy.families.base import Setting
 from quantstudy.families.deberta_v2 import POSITIONS
 
-from conftest import skip_without_gpu
+from conftest import observed_amax, skip_without_gpu
 
 ort = pytest.importorskip("onnxruntime", reason="ONNX Runtime runs the exported graphs")
 onnx = pytest.importorskip("onnx")
@@ -60,20 +60,7 @@ def base(checkpoints):
     forward: every call of a layer, the positional ones included, as ModelOpt sees them)."""
     ckpt = checkpoints["tiny-deberta-v3-base"]
     inputs = FAMILY.example_inputs(ckpt, "main", SETTING)
-    model = FAMILY.module(ckpt, "main", SETTING)
-    amax, hooks = {}, []
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear):
-            amax[name] = {"input_amax": 0.0, "weight_amax": float(m.weight.detach().abs().max())}
-
-            def hook(_m, inp, _out, name=name):
-                amax[name]["input_amax"] = max(amax[name]["input_amax"], float(inp[0].abs().max()))
-            hooks.append(m.register_forward_hook(hook))
-    with torch.no_grad():
-        model(**inputs)
-    for h in hooks:
-        h.remove()
-    return {"checkpoint": ckpt, "inputs": inputs, "amax": {"amax": amax, "outliers": {"layers": []}}}
+    return {"checkpoint": ckpt, "inputs": inputs, "amax": observed_amax(FAMILY.module(ckpt, "main", SETTING), [inputs])}
 
 
 def _variant(base, name: str):

@@ -16,6 +16,8 @@ from quantstudy import config, export, families, quantization
 from quantstudy.families import base
 from quantstudy.families.deformable_detr import SIZE_MAX, SIZE_MIN, DetectorEngine
 
+from conftest import observed_amax
+
 # The write-up's recipe: FP8 for the encoder and decoder projections (72 of 100 linears at
 # real size); sampling offsets, attention weights and the heads stay fp16.
 RECIPE = {"quantize": ["model.encoder.layers.*.self_attn.value_proj", "model.encoder.layers.*.self_attn.output_proj",
@@ -162,25 +164,6 @@ def test_example_inputs_are_deterministic(fam, checkpoint):
 
 # --- ONNX ---------------------------------------------------------------------------------------
 
-def _amax(model: nn.Module, batches: list[dict]) -> dict:
-    """Per-tensor max of every linear layer's input and weight over the batches: the statistic
-    max calibration keeps (ModelOpt itself runs in the calibrate step)."""
-    amax, hooks = {}, []
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear):
-            amax[name] = {"input_amax": 0.0, "weight_amax": float(m.weight.detach().abs().max())}
-
-            def hook(_m, inp, _out, name=name):
-                amax[name]["input_amax"] = max(amax[name]["input_amax"], float(inp[0].abs().max()))
-            hooks.append(m.register_forward_hook(hook))
-    with torch.no_grad():
-        for batch in batches:
-            model(**batch)
-    for h in hooks:
-        h.remove()
-    return {"amax": amax, "outliers": {"layers": []}}
-
-
 def _layer_tensors(path: str, layers: list[str]) -> dict[str, tuple[str, str, str]]:
     """Each FP8 layer's tensor names in the ONNX: its input (the QuantizeLinear's behind the
     GEMM's activation operand: the exporter's optimizer may share one Q/DQ pair between layers of
@@ -228,7 +211,7 @@ def inputs(fam, checkpoint):
 
 @pytest.fixture(scope="module")
 def variants(fam, checkpoint, inputs, tmp_path_factory):
-    amax = _amax(fam.module(checkpoint, "main", SETTINGS[0]), inputs)
+    amax = observed_amax(fam.module(checkpoint, "main", SETTINGS[0]), inputs)
     made = {}
 
     def get(name: str) -> Variant:

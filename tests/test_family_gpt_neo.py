@@ -15,6 +15,8 @@ import torch
 from quantstudy import config, export, families, quantization, timing
 from quantstudy.families import base
 
+from conftest import observed_amax
+
 ort = pytest.importorskip("onnxruntime", reason="ONNX Runtime runs the exported graphs")
 
 # The write-up's recipe: q_proj, k_proj, v_proj, c_fc and c_proj of every layer.
@@ -170,29 +172,11 @@ def test_static_cache_matches_transformers_incremental_decoding(fam, checkpoint)
 
 # --- export, ONNX Runtime, the ONNX reference evaluator ----------------------------------------
 
-def _amax(model: torch.nn.Module, inputs: dict) -> dict:
-    """Per-tensor max of every linear layer's input and weight on a real forward: the statistic max
-    calibration keeps (ModelOpt itself is exercised by the calibrate step)."""
-    amax, hooks = {}, []
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear):
-            amax[name] = {"input_amax": 0.0, "weight_amax": float(m.weight.detach().abs().max())}
-
-            def hook(_m, inp, _out, name=name):
-                amax[name]["input_amax"] = max(amax[name]["input_amax"], float(inp[0].abs().max()))
-            hooks.append(m.register_forward_hook(hook))
-    with torch.no_grad():
-        model(**inputs)
-    for h in hooks:
-        h.remove()
-    return {"amax": amax, "outliers": {"layers": []}}
-
-
 @pytest.fixture(scope="module")
 def exported(fam, checkpoint, tmp_path_factory):
     """(graph, variant) -> the variant's inputs, torch fake-quant outputs and its export; amax from
     a prefill forward, shared by both graphs as the study's one amax file is."""
-    amax = _amax(fam.module(checkpoint, "prefill", SETTING), fam.example_inputs(checkpoint, "prefill", SETTING))
+    amax = observed_amax(fam.module(checkpoint, "prefill", SETTING), [fam.example_inputs(checkpoint, "prefill", SETTING)])
     made = {}
 
     def get(graph: str, variant: str):

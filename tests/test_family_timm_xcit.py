@@ -20,6 +20,8 @@ from quantstudy import config, export, families, quantization  # noqa: E402
 from quantstudy.families.base import Family, Setting  # noqa: E402
 from quantstudy.families.timm_xcit import load_images  # noqa: E402
 
+from conftest import observed_amax
+
 RECIPE = {"quantize": ["blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc1", "blocks.*.mlp.fc2",
                        "cls_attn_blocks.*.attn.k", "cls_attn_blocks.*.attn.v"],
           "dequantize_dtype": "float16"}
@@ -136,25 +138,6 @@ def test_graph_module_equals_timm_on_its_other_paths(fam, tokens_norm, global_po
 
 # --- 2. and 3. export, ONNX Runtime, ReferenceEvaluator ----------------------------------------
 
-def _amax(model, batches) -> dict:
-    """Per-tensor max of every linear layer's input and weight on real forwards (max calibration's
-    statistic; ModelOpt itself is exercised by the calibrate step)."""
-    amax, hooks = {}, []
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear):
-            amax[name] = {"input_amax": 0.0, "weight_amax": float(m.weight.detach().abs().max())}
-
-            def hook(_m, inp, _out, name=name):
-                amax[name]["input_amax"] = max(amax[name]["input_amax"], float(inp[0].abs().max()))
-            hooks.append(m.register_forward_hook(hook))
-    with torch.no_grad():
-        for batch in batches:
-            model(**batch)
-    for h in hooks:
-        h.remove()
-    return {"amax": amax, "outliers": {"layers": []}}
-
-
 def _qdq_layers(path) -> set[str]:
     """The layers whose MatMul reads an FP8 weight through DequantizeLinear and a quantized
     activation through QuantizeLinear -> DequantizeLinear, read from the graph's structure."""
@@ -184,7 +167,7 @@ def exported(fam, tiny, dataset, tmp_path_factory):
     two stress images (saturated white, 1 px checkerboard)."""
     samples = fam.draw_samples(dataset["rows"], {"kind": "images", "count": 8, "seed": 0}, None)
     batches = fam.calibration_batches(tiny, samples, S224)
-    amax = _amax(fam.module(tiny, "main", S224), batches)
+    amax = observed_amax(fam.module(tiny, "main", S224), batches)
     stress = fam.stress_inputs(7, seed=0)
     stress_x = torch.stack([fam.processor(tiny)(stress["images"][i]) for i in (0, 6)])
     x = torch.cat([batches[0]["pixel_values"][:2], stress_x])

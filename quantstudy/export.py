@@ -190,6 +190,10 @@ def export(model: nn.Module, inputs: dict[str, torch.Tensor], out_dir: str | Pat
                                     dynamic_shapes=_dynamic_shapes(inputs, dynamic),
                                     custom_translation_table=_translations(opset), verbose=False)
     _name_nodes(program.model.graph, set(fp8_layers))
+    # The exporter's node metadata holds stack traces with the checkout's absolute paths: the same
+    # graph exported from two checkouts would differ in bytes and sha256. Names carry the modules.
+    for node in program.model.graph:
+        node.metadata_props.clear()
     size = sum(v.const_value.nbytes for v in program.model.graph.initializers.values() if v.const_value is not None)
     # Written in a temporary folder beside the result, then moved: readers never see a part.
     tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".export."))

@@ -14,7 +14,7 @@ import logging
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from quantstudy import artifacts, hub
 from quantstudy.artifacts import now, provenance, read_json, sha256_path, write_json

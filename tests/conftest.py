@@ -38,6 +38,37 @@ def observed_amax(model, batches: list[dict]) -> dict:
     return {"amax": amax, "outliers": {"layers": []}}
 
 
+# Backends as the suites name them: "torch-cuda" is the torch backend on a GPU with FP8 (real
+# _scaled_mm GEMMs, compiled, CUDA graph).
+ON_GPU = {"tensorrt", "torch-cuda"}
+
+
+def backend_or_skip(name: str):
+    """The backend module of a suite's backend name, or a skip saying why it cannot run here."""
+    import torch
+
+    from quantstudy import backends
+
+    module = name.removesuffix("-cuda")
+    ok, why = backends.available(module)
+    if not ok:
+        pytest.skip(f"backend {module} does not import here: {why}")
+    if name in ON_GPU and not torch.cuda.is_available():
+        skip_without_gpu(f"backend {name} needs a CUDA GPU; torch sees none here")
+    if name == "torch-cuda" and torch.cuda.get_device_capability() < (8, 9):
+        skip_without_gpu("torch-cuda needs FP8 GEMMs (compute capability 8.9+)")
+    return backends.get(module)
+
+
+def target_for(name: str) -> dict:
+    """A target for a suite's backend name; TensorRT's timing cache outside the repository's resources/."""
+    import tempfile
+
+    return {"target": f"test-{name}", "backend": name.removesuffix("-cuda"),
+            "device": "cuda" if name in ON_GPU else "cpu", "compile": name == "torch-cuda",
+            "builder": {"timing_cache_dir": str(Path(tempfile.gettempdir()) / "quantstudy-test-tensorrt-cache")}}
+
+
 def skip_without_gpu(reason: str) -> None:
     """Skip a test that needs a GPU this machine lacks; with QUANTSTUDY_REQUIRE_GPU=1 (GPU evidence
     runs), fail instead, so that a GPU path cannot go unnoticed where a GPU should be."""

@@ -9,8 +9,6 @@ fp16 overflow (NaN) pattern.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ import torch
 from quantstudy import backends, config, export, families, quantization
 from quantstudy.families.base import Setting
 
-from conftest import observed_amax, skip_without_gpu
+from conftest import ON_GPU, backend_or_skip, observed_amax, target_for
 
 RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
           "dequantize_dtype": "float16"}
@@ -38,29 +36,6 @@ MODELS = {"fnet-base": ("tiny-fnet-base", {"seed": 0, "mixing_input_offset": 2.5
           "fnet-large": ("tiny-fnet-large", {"seed": 1, "mixing_input_offset": 2.5})}
 WINDOW = 128
 CASES = [(model, variant) for model in MODELS for variant in VARIANTS]
-
-
-# "torch-cuda": the torch backend on a GPU with FP8 (real _scaled_mm GEMMs, compiled, CUDA graph).
-ON_GPU = {"tensorrt", "torch-cuda"}
-
-
-def _backend(name: str):
-    module = name.removesuffix("-cuda")
-    ok, why = backends.available(module)
-    if not ok:
-        pytest.skip(f"backend {module} does not import here: {why}")
-    if name in ON_GPU and not torch.cuda.is_available():
-        skip_without_gpu(f"backend {name} needs a CUDA GPU; torch sees none here")
-    if name == "torch-cuda" and torch.cuda.get_device_capability() < (8, 9):
-        skip_without_gpu("torch-cuda needs FP8 GEMMs (compute capability 8.9+)")
-    return backends.get(module)
-
-
-def _target(name: str) -> dict:
-    return {"target": f"test-{name}", "backend": name.removesuffix("-cuda"),
-            "device": "cuda" if name in ON_GPU else "cpu", "compile": name == "torch-cuda",
-            # TensorRT's timing cache of the tests: outside the repository's resources/.
-            "builder": {"timing_cache_dir": str(Path(tempfile.gettempdir()) / "quantstudy-test-tensorrt-cache")}}
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +91,8 @@ def cases(checkpoints, tmp_path_factory):
 
 def _run(name: str, case: Case, tmp) -> tuple[torch.Tensor, object]:
     """Build the case's engine on a backend, open it at batch 1, run all inputs through it."""
-    backend = _backend(name)
-    target = _target(name)
+    backend = backend_or_skip(name)
+    target = target_for(name)
     example = {"input_ids": case.ids[:1]}
     if getattr(backend, "INPUT", "module") == "onnx":
         info = backend.build(case.onnx(), tmp, target)
@@ -227,9 +202,9 @@ def test_kernel_profile_groups(backend, cases, tmp_path):
 
 def test_tensorrt_reports_fp8_layers(cases, tmp_path):
     """The engine inspector finds every recipe layer running as an FP8 GEMM (no fp16 fallback)."""
-    backend = _backend("tensorrt")
+    backend = backend_or_skip("tensorrt")
     case = cases("fnet-base", "fp8")
-    info = backend.build(case.onnx(), tmp_path, _target("tensorrt"))
+    info = backend.build(case.onnx(), tmp_path, target_for("tensorrt"))
     inspector = info["inspector"]
     assert inspector["recipe_fp8_layers"] == 4
     assert not inspector["fp8_fell_back"], inspector["fp8_fallback"]
@@ -239,10 +214,10 @@ def test_tensorrt_reports_fp8_layers(cases, tmp_path):
 def test_tensorrt_timing_cache_keeps_every_builds_tactics(cases, tmp_path):
     """Two builds that started from the same (empty) cache, saved one after the other: the file
     ends with the tactics of both, not only the last writer's."""
-    backend = _backend("tensorrt")
+    backend = backend_or_skip("tensorrt")
     files, sizes = {}, {}
     for variant in ("fp16", "fp8"):
-        target = {**_target("tensorrt"), "builder": {"timing_cache_dir": str(tmp_path / variant)}}
+        target = {**target_for("tensorrt"), "builder": {"timing_cache_dir": str(tmp_path / variant)}}
         backend.build(cases("fnet-base", variant).onnx(), tmp_path / f"engine-{variant}", target)
         files[variant] = backend.timing_cache_path(target)
         sizes[variant] = files[variant].stat().st_size
@@ -254,11 +229,11 @@ def test_tensorrt_timing_cache_keeps_every_builds_tactics(cases, tmp_path):
 
 def test_tensorrt_build_failure_carries_tensorrt_text(tmp_path):
     """A graph TensorRT rejects raises BuildError with the parser's own words."""
-    backend = _backend("tensorrt")
+    backend = backend_or_skip("tensorrt")
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not an onnx file")
     with pytest.raises(backend.BuildError, match="could not parse"):
-        backend.build(bad, tmp_path / "engine", _target("tensorrt"))
+        backend.build(bad, tmp_path / "engine", target_for("tensorrt"))
 
 
 def test_unknown_backend_is_a_clear_error():

@@ -16,17 +16,16 @@ timm, decode against Transformers' cache) are in tests/test_family_<name>.py.
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from quantstudy import backends, config, export, families, quantization
+from quantstudy import config, export, families, quantization
 from quantstudy.families.base import Family, Setting
 
-from conftest import observed_amax, skip_without_gpu
+from conftest import backend_or_skip, observed_amax, target_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +69,6 @@ VARIANTS = {"fp16": {"precision": "float16", "transforms": []},
 # All of it in fp32 but the FP8 rounding: the Q/DQ semantics, free of fp16 evaluation differences.
 FP32_FP8 = {"precision": "float32", "transforms": [{"fp8": {}}, {"fp32_dequantize": {}}]}
 BACKENDS = ["torch", "onnxruntime", "tensorrt", "torch-cuda"]
-ON_GPU = {"tensorrt", "torch-cuda"}
 # fp16 graphs against torch's fp16 fake-quant, relative to the output's largest value: ONNX Runtime
 # computes fp16 ops in fp32 and rounds once, and a one-ulp difference before a quantizer can flip
 # an FP8 rounding that spreads downstream (measured up to 0.03 on the tiny models). A wrong
@@ -84,24 +82,6 @@ def test_every_registered_family_has_a_contract_case():
     assert sorted(CASES) == families.names(), "add the new family's tiny case to CASES"
     for name in families.names():
         assert isinstance(families.get(name), Family), f"{name} does not implement the family contract"
-
-
-def _backend(name: str):
-    module = name.removesuffix("-cuda")
-    ok, why = backends.available(module)
-    if not ok:
-        pytest.skip(f"backend {module} does not import here: {why}")
-    if name in ON_GPU and not torch.cuda.is_available():
-        skip_without_gpu(f"backend {name} needs a CUDA GPU; torch sees none here")
-    if name == "torch-cuda" and torch.cuda.get_device_capability() < (8, 9):
-        skip_without_gpu("torch-cuda needs FP8 GEMMs (compute capability 8.9+)")
-    return backends.get(module)
-
-
-def _target(name: str) -> dict:
-    return {"target": f"test-{name}", "backend": name.removesuffix("-cuda"),
-            "device": "cuda" if name in ON_GPU else "cpu", "compile": name == "torch-cuda",
-            "builder": {"timing_cache_dir": str(Path(tempfile.gettempdir()) / "quantstudy-test-tensorrt-cache")}}
 
 
 def _perturbed(inputs: dict, seed: int) -> dict:
@@ -183,7 +163,7 @@ def _max_rel(got: dict, want: dict) -> float:
 @pytest.mark.parametrize("family,graph", GRAPH_CASES)
 def test_backend_runs_the_variant(family, graph, variant, backend, family_case, tmp_path):
     try:
-        module = _backend(backend)
+        module = backend_or_skip(backend)
     except pytest.skip.Exception as e:
         RESULTS.append((family, backend, "skipped"))
         raise e
@@ -197,7 +177,7 @@ def test_backend_runs_the_variant(family, graph, variant, backend, family_case, 
     with torch.no_grad():
         expected = [fc.variant(graph, variant)(**x) for x in (example, other)]
     assert _max_rel(expected[0], expected[1]) > 1e-3, "the two inputs must give different outputs"
-    target = _target(backend)
+    target = target_for(backend)
     if getattr(module, "INPUT", "module") == "onnx":
         info = export.export(fc.variant(graph, variant), example, tmp_path / "onnx")
         if variant == "fp8":

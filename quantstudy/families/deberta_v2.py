@@ -185,14 +185,14 @@ class DebertaV2:
         included; a GEMM whose operands are all batched is an attention matmul (QK^T, c2p, p2c,
         PV). GPU kernels without a recognised op go by name: TensorRT's fused attention first.
         """
-        from quantstudy.timing import FP8_GEMM_OPS, GEMM_OPS
+        from quantstudy import timing as qt
 
-        op_name = op["name"] if op else (name if device == "cpu" else None)
-        if region == quantization.FP8_REGION or op_name in FP8_GEMM_OPS:
+        op_name = qt.launching_op(name, device, op)
+        if qt.in_fp8_gemm(region, op_name):
             return "FP8 projection GEMMs"
         if device != "cpu" and _FUSED_ATTENTION.search(name):
             return "fused attention"
-        if op_name in GEMM_OPS:
+        if op_name in qt.GEMM_OPS:
             shapes = op["shapes"] if op else []
             return "projection GEMMs" if any(len(s) == 2 for s in shapes) else "attention matmuls"
         if _SOFTMAX.search(op_name or "") or (device != "cpu" and _SOFTMAX.search(name)):

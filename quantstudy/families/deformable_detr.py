@@ -302,20 +302,15 @@ class DeformableDetr:
         convolutions, normalization and elementwise). A GPU kernel goes by the op that
         launched it, else (compiled code, TensorRT) by its own name.
         """
-        from quantstudy.quantization import FP8_REGION
-        from quantstudy.timing import GEMM_OPS
+        from quantstudy import timing as qt
 
-        op_name = op["name"] if op else (name if device == "cpu" else None)
-        if region == FP8_REGION or op_name in GEMM_OPS:
+        op_name = qt.launching_op(name, device, op)
+        if qt.in_fp8_gemm(region, op_name) or op_name in qt.GEMM_OPS:
             return "GEMM"
         for group, pattern in OP_PATTERNS:
             if op_name and re.search(pattern, op_name, re.I):
                 return group
-        if device != "cpu":
-            for group, pattern in KERNEL_PATTERNS:
-                if re.search(pattern, name, re.I):
-                    return group
-        return "other"
+        return "other" if device == "cpu" else qt.group_by_name(name, KERNEL_PATTERNS)
 
     @staticmethod
     def transforms() -> dict:

@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import random
-import re
 from pathlib import Path
 from typing import Any
 
@@ -152,25 +151,19 @@ class FNet:
         Compiled code and exported graphs (ONNX Runtime, TensorRT) keep no regions, hence the
         shapes.
         """
-        from quantstudy.quantization import FP8_REGION
-        from quantstudy.timing import FP8_GEMM_OPS, GEMM_OPS
+        from quantstudy import timing as qt
 
         window = setting["window"] if setting is not None else None
-        op_name = op["name"] if op else (name if device == "cpu" else None)
-        if region == FP8_REGION or op_name in FP8_GEMM_OPS:
+        op_name = qt.launching_op(name, device, op)
+        if qt.in_fp8_gemm(region, op_name):
             return "FP8 feed-forward GEMMs"
         if region in REGIONS:
             return REGIONS[region]
-        if op_name in GEMM_OPS:
+        if op_name in qt.GEMM_OPS:
             shapes = op["shapes"] if op else []
             square = window is not None and any(len(s) >= 2 and s[-2:] == [window, window] for s in shapes)
             return "sequence-axis DFT" if square else "other GEMMs"
-        if device == "cpu":
-            return "other"
-        for group, pattern in self.kernel_patterns:
-            if re.search(pattern, name, re.I):
-                return group
-        return "other"
+        return "other" if device == "cpu" else qt.group_by_name(name, self.kernel_patterns)
 
     def transforms(self) -> dict[str, Any]:
         return {"hidden_scaling": _hidden_scaling}

@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 from pathlib import Path
 from typing import Any
 
@@ -360,24 +359,16 @@ class GPTNeo:
         GEMMs (a weight operand of rank 2) are the fp16 projections and the lm_head. Compiled
         code and exported graphs keep no regions, hence the shapes and then the kernel names.
         """
-        from quantstudy.quantization import FP8_REGION
-        from quantstudy.timing import FP8_GEMM_OPS, GEMM_OPS
+        from quantstudy import timing as qt
 
-        op_name = op["name"] if op else (name if device == "cpu" else None)
-        if region == FP8_REGION or op_name in FP8_GEMM_OPS:
+        op_name = qt.launching_op(name, device, op)
+        if qt.in_fp8_gemm(region, op_name):
             return "FP8 projection GEMMs"
         if region in REGIONS:
             return REGIONS[region]
-        if op_name in GEMM_OPS:
-            shapes = op["shapes"] if op else []
-            batched = len(shapes) >= 2 and all(len(s) >= 3 for s in shapes[:2])
-            return "attention" if batched else "fp16 GEMMs"
-        if device == "cpu":
-            return "other"
-        for group, pattern in GPTNeo.kernel_patterns:
-            if re.search(pattern, name, re.I):
-                return group
-        return "other"
+        if op_name in qt.GEMM_OPS:
+            return "attention" if qt.gemm_of_activations(op) else "fp16 GEMMs"
+        return "other" if device == "cpu" else qt.group_by_name(name, GPTNeo.kernel_patterns)
 
     @staticmethod
     def transforms() -> dict[str, Any]:

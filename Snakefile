@@ -18,3 +18,22 @@ include: "rules/report.smk"
 rule all:
     input:
         final_targets(),
+
+
+# Local runs: jobs fork from one process that has imported torch once (quantstudy/jobserver.py).
+from quantstudy import jobserver
+
+JOB_SERVER = []
+
+
+onstart:
+    if workflow.local_exec:
+        JOB_SERVER.append(jobserver.start())
+
+
+onsuccess:
+    jobserver.stop(JOB_SERVER.pop() if JOB_SERVER else None)
+
+
+onerror:
+    jobserver.stop(JOB_SERVER.pop() if JOB_SERVER else None)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable
 import pandas as pd
 
 from quantstudy.artifacts import now, provenance, read_json, write_json
+from quantstudy.config import shape_of
 from quantstudy.render import value_range
 
 log = logging.getLogger("quantstudy")
@@ -135,8 +136,7 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
     builds = _rows(inputs["builds"], "build", _build)
     kernel_docs = [read_json(p, "kernels") for p in inputs["kernels"]]
     kernels = _rows(inputs["kernels"], "kernels", _kernels)
-    settings = {name: {k: v for k, v in s.items() if k not in ("batch", "quality")}
-                for name, s in study["settings"].items()}
+    settings = {name: shape_of(s) for name, s in study["settings"].items()}
     references = [{"model": r["model"], "setting": r["setting"], **settings[r["setting"]], **flatten(r["blocks"]),
                    "source": p} for p, r in ((p, read_json(p, "reference")) for p in inputs["references"])]
     amax = [read_json(p, "amax") | {"source": p} for p in inputs["amax"]]

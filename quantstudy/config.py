@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import hashlib
+import importlib.metadata
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,10 @@ from quantstudy.families.base import Setting
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMAS = ROOT / "config" / "schemas"
 ARCHITECTURES = ROOT / "config" / "architectures"
+# A setting's keys that are not its shape.
+SETTING_KEYS = ("batch", "quality", "engine")
+# One empty file per study config that passed the checks against the code (see _code_check_key).
+CODE_CHECKS = ROOT / ".snakemake" / "quantstudy" / "checked-against-code"
 
 # Bumped whenever the tiny-fixture generators change what they write: it is part of the
 # content hash that serves as the tiny checkpoints' and datasets' pinned revision.
@@ -138,6 +143,16 @@ class Study:
                         if v in only.get("variants", [v]):
                             yield t, m, s, v
 
+    def engine_setting(self, setting: str) -> str:
+        """The setting whose engines this one is timed and evaluated on: itself, or the one its
+        `engine:` names (one dynamic-shape engine serving several settings)."""
+        return self.raw["settings"][setting].get("engine", setting)
+
+    def builds(self, run_targets):
+        """(target, model, setting, variant) of every engine built: those the study measures, each
+        shared engine once, under the setting that builds it."""
+        return list(dict.fromkeys((t, m, self.engine_setting(s), v) for t, m, s, v in self.engines(run_targets)))
+
     def calibration_setting(self, model: str, setting: str) -> str:
         """The setting whose amax file this one uses: the model's first quality setting that agrees
         on the shape keys calibration depends on (`calibrate_by`, default all of them; never the
@@ -194,6 +209,11 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
+def shape_of(setting: dict[str, Any]) -> dict[str, int]:
+    """A setting's shape keys (window; height and width; prefill and cache) from its config entry."""
+    return {k: v for k, v in setting.items() if k not in SETTING_KEYS}
+
+
 def load_architecture(name: str) -> dict[str, Any]:
     path = ARCHITECTURES / f"{name}.json"
     if not path.exists():
@@ -238,8 +258,7 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
 
 def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
     problems: list[str] = []
-    settings = {n: Setting(n, s["batch"], {k: v for k, v in s.items() if k not in ("batch", "quality")},
-                           s.get("quality", True)) for n, s in doc["settings"].items()}
+    settings = {n: Setting(n, s["batch"], shape_of(s), s.get("quality", True)) for n, s in doc["settings"].items()}
     models = {}
     for name, m in doc["models"].items():
         try:
@@ -298,12 +317,56 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
                 problems.append(f"model {model.name!r}: setting {s!r} has no quality setting of its shape "
                                 f"(by {doc.get('calibrate_by', 'every shape key')}) to calibrate at")
 
-    if against_code:  # layers only once the rest is sound (a model may be missing)
-        problems += _problems_against_code(doc, models, variants, settings, match_layers=not problems)
+    problems += _engine_problems(doc, models)
+
+    if against_code and problems:  # the layers only once the rest is sound (a model may be missing)
+        problems += _problems_against_code(doc, models, variants, settings, match_layers=False)
+    elif against_code:
+        passed = CODE_CHECKS / _code_check_key(doc, models)
+        if not passed.exists():
+            problems += _problems_against_code(doc, models, variants, settings, match_layers=True)
+            if not problems:
+                passed.parent.mkdir(parents=True, exist_ok=True)
+                passed.touch()
     if problems:
         raise ConfigError(f"invalid study ({where}):\n" + "\n".join(f"  {p}" for p in problems))
     return Study(doc["study"], doc["family"], models, settings, datasets, variants, doc,
                  {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()})
+
+
+def _engine_problems(doc: dict[str, Any], models: dict[str, Model]) -> list[str]:
+    """`engine:` names a setting that builds its own engines, on every model that has this one."""
+    problems = []
+    for name, s in doc["settings"].items():
+        engine = s.get("engine", name)
+        if engine == name:
+            continue
+        if engine not in doc["settings"]:
+            problems.append(f"setting {name!r}: engine names unknown setting {engine!r}")
+        elif doc["settings"][engine].get("engine", engine) != engine:
+            problems.append(f"setting {name!r}: engine {engine!r} is timed on another setting's engine "
+                            f"itself; name the setting that builds it")
+        else:
+            problems += [f"model {m.name!r} has setting {name!r} but not {engine!r}, whose engines it is timed on"
+                         for m in models.values() if name in m.settings and engine not in m.settings]
+    return problems
+
+
+def _engine_fit(family, setting: Setting, engine: Setting, model: Model) -> list[str]:
+    """Each input of the setting's graphs within the engine setting's: a static size equal, a
+    dynamic one within the range the engine is built for."""
+    problems = []
+    built = family.graphs(engine, model.architecture)
+    for g, graph in family.graphs(setting, model.architecture).items():
+        for name, t in graph.inputs.items():
+            e = built[g].inputs[name]
+            for axis, (n, m) in enumerate(zip(t.shape, e.shape)):
+                dim = e.dynamic.get(axis)
+                if (dim is None and n != m) or (dim is not None and not dim.min <= n <= dim.max):
+                    allowed = f"{m}" if dim is None else f"{dim.min} to {dim.max}"
+                    problems.append(f"setting {setting.name!r} cannot run on the engine of {engine.name!r} "
+                                    f"({model.name}, graph {g}): {name} axis {axis} is {n}, the engine takes {allowed}")
+    return problems
 
 
 def _calibration_setting(doc: dict[str, Any], model: str, setting: str, settings: dict[str, Setting],
@@ -314,6 +377,20 @@ def _calibration_setting(doc: dict[str, Any], model: str, setting: str, settings
         if s in settings and settings[s].quality and all(settings[s].shape.get(k) == shape.get(k) for k in keys):
             return s
     return None
+
+
+def _code_check_key(doc: dict[str, Any], models: dict[str, Model]) -> str:
+    """What the checks against the code depend on: the study, its architectures, this package's
+    source and the model libraries' versions. A no-op rerun then need not import torch."""
+    h = hashlib.sha256(json.dumps([doc, {n: m.architecture for n, m in models.items()}], sort_keys=True).encode())
+    for path in sorted((ROOT / "quantstudy").rglob("*.py")):
+        h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    for package in ("torch", "transformers", "timm", "nvidia-modelopt"):
+        try:
+            h.update(f"{package}=={importlib.metadata.version(package)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            h.update(f"{package} missing".encode())
+    return h.hexdigest()
 
 
 def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], variants: dict[str, Variant],
@@ -331,6 +408,10 @@ def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], varian
     problems += [p for s in settings.values() for p in family.check_setting(s)]
     if problems or not match_layers:
         return problems
+    for name, s in doc["settings"].items():
+        engine = s.get("engine", name)
+        for model in (m for m in models.values() if engine != name and name in m.settings):
+            problems += _engine_fit(family, settings[name], settings[engine], model)
     patterns = list(doc["recipe"]["quantize"]) + [p for v in variants.values() for t, params in v.transforms
                                                   if t == "fp8" for p in params.get("include", [])]
     for model in models.values():

@@ -19,6 +19,7 @@ from typing import Any
 import jinja2
 
 from quantstudy.artifacts import atomic_write, read_json
+from quantstudy.config import shape_of
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -157,7 +158,7 @@ def _by_graph(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, Any
 
 def shape_label(shape: dict[str, Any]) -> str:
     """A setting's shape as the write-ups print it: `512`, `800 x 1067`."""
-    return " x ".join(str(v) for k, v in shape.items() if k not in ("batch", "quality"))
+    return " x ".join(str(v) for v in shape_of(shape).values())
 
 
 def environment() -> jinja2.Environment:

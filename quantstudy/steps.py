@@ -63,6 +63,10 @@ def _deterministic() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: references and the fp32 DFT
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
+    if not torch.cuda.is_available():
+        # One intra-op thread on a CPU-only host: jobs run side by side on few cores, and a reduction
+        # then sums in one order on any host (the Slurm test compares two runs' numbers bit for bit).
+        torch.set_num_threads(1)
 
 
 def _device() -> str:

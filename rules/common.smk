@@ -98,8 +98,15 @@ def target_env(w):
     return f"../{env}" if env else None  # relative to rules/, as Snakemake reads conda paths
 
 
+def variant_build(w, variant=None):
+    """The engines a variant is timed and evaluated on: built at its setting, or at the setting
+    whose dynamic-shape engine serves it (`engine:`)."""
+    keys = {**dict(w.items()), "setting": study(w).engine_setting(w.setting), "variant": variant or w.variant}
+    return f"{VARIANT_DIR.format(**keys)}/build.json"
+
+
 def baseline_build(w):
-    return f"{VARIANT_DIR.format(**{**dict(w.items()), 'variant': study(w).baseline(w.setting)})}/build.json"
+    return variant_build(w, study(w).baseline(w.setting))
 
 
 def reference_prefix(w):
@@ -116,9 +123,10 @@ def study_targets(s):
 
 
 def engine_files(s, name):
-    """Every per-variant artifact `name` of a study: each engine it measures, on each of its targets."""
-    return [f"results/{s.name}/{t}/{m}/{st}/{v}/{name}"
-            for t, m, st, v in s.engines(RUN.targets, quality_only=name == "quality.json")]
+    """Every per-variant artifact `name` of a study: each engine it measures (builds: each engine
+    it builds), on each of its targets."""
+    engines = s.builds(RUN.targets) if name == "build.json" else s.engines(RUN.targets, name == "quality.json")
+    return [f"results/{s.name}/{t}/{m}/{st}/{v}/{name}" for t, m, st, v in engines]
 
 
 def final_targets():

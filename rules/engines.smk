@@ -51,7 +51,7 @@ rule build:
 rule time:
     input:
         checkpoint=checkpoint_json,
-        build=f"{VARIANT_DIR}/build.json",
+        build=variant_build,
         baseline_build=baseline_build,
     output:
         timing=f"{VARIANT_DIR}/timing.json",
@@ -75,7 +75,7 @@ rule time:
 rule profile:
     input:
         checkpoint=checkpoint_json,
-        build=f"{VARIANT_DIR}/build.json",
+        build=variant_build,
     output:
         kernels=f"{VARIANT_DIR}/kernels.json",
     params:
@@ -99,7 +99,7 @@ rule evaluate:
     input:
         unpack(evaluation_samples),
         checkpoint=checkpoint_json,
-        build=f"{VARIANT_DIR}/build.json",
+        build=variant_build,
         reference=lambda w: f"{reference_prefix(w)}.json",
         reference_tensors=lambda w: f"{reference_prefix(w)}.safetensors",
     output:

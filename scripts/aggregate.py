@@ -1,6 +1,5 @@
 """Rule aggregate: the study's tidy tables (pandas), the render's only input."""
-from quantstudy import aggregate, steps
+from quantstudy.jobserver import run
 
-with steps.logged(snakemake.log[0]):
-    aggregate.aggregate(inputs={k: list(v) for k, v in snakemake.input.items()}, out=snakemake.output.tables,
-                        **snakemake.params)
+run("quantstudy.aggregate:aggregate", snakemake.log[0], inputs={k: [str(p) for p in v] for k, v in snakemake.input.items()},
+    out=str(snakemake.output.tables), **snakemake.params)

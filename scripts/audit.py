@@ -1,5 +1,5 @@
 """Rule audit: the rendered README back to its artifacts and pinned inputs."""
-from quantstudy import audit, steps
+from quantstudy.jobserver import run
 
-with steps.logged(snakemake.log[0]):
-    audit.audit(snakemake.input.tables, snakemake.input.readme, snakemake.output.audit)
+run("quantstudy.audit:audit", snakemake.log[0], tables_json=str(snakemake.input.tables),
+    readme=str(snakemake.input.readme), out=str(snakemake.output.audit))

@@ -1,6 +1,6 @@
 """Rule build: one engine, a variant built for a target."""
-from quantstudy import steps
+from quantstudy.jobserver import optional, run
 
-with steps.logged(snakemake.log[0]):
-    steps.build(checkpoint_json=snakemake.input.checkpoint, amax_json=snakemake.input.get("amax"),
-                export_json=snakemake.input.get("export"), out=snakemake.output.build, **snakemake.params)
+run("quantstudy.steps:build", snakemake.log[0], checkpoint_json=str(snakemake.input.checkpoint),
+    amax_json=optional(snakemake.input, "amax"), export_json=optional(snakemake.input, "export"),
+    out=str(snakemake.output.build), **snakemake.params)

@@ -1,6 +1,5 @@
 """Rule calibrate: static FP8 amax per layer (ModelOpt FP8_DEFAULT_CFG, max)."""
-from quantstudy import steps
+from quantstudy.jobserver import run
 
-with steps.logged(snakemake.log[0]):
-    steps.calibrate(checkpoint_json=snakemake.input.checkpoint, samples_json=snakemake.input.samples,
-                    out=snakemake.output.amax, **snakemake.params)
+run("quantstudy.steps:calibrate", snakemake.log[0], checkpoint_json=str(snakemake.input.checkpoint),
+    samples_json=str(snakemake.input.samples), out=str(snakemake.output.amax), **snakemake.params)

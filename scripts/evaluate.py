@@ -1,9 +1,9 @@
 """Rule evaluate: quality against the reference and the non-finite scan."""
-from quantstudy import steps
+from quantstudy.jobserver import run
 
-with steps.logged(snakemake.log[0]):
-    params = dict(snakemake.params.items())
-    samples = {name: snakemake.input[name] for name in params.pop("samples")}
-    steps.evaluate(checkpoint_json=snakemake.input.checkpoint, build_json=snakemake.input.build,
-                   reference_json=snakemake.input.reference, reference_tensors=snakemake.input.reference_tensors,
-                   samples_jsons=samples, out=snakemake.output.quality, **params)
+params = dict(snakemake.params.items())
+run("quantstudy.steps:evaluate", snakemake.log[0], checkpoint_json=str(snakemake.input.checkpoint),
+    build_json=str(snakemake.input.build), reference_json=str(snakemake.input.reference),
+    reference_tensors=str(snakemake.input.reference_tensors),
+    samples_jsons={name: str(snakemake.input[name]) for name in params.pop("samples")},
+    out=str(snakemake.output.quality), **params)

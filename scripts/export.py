@@ -1,6 +1,5 @@
 """Rule export: one variant as ONNX (fp32, fp16, FP8 Q/DQ), the graph onnxruntime and tensorrt build from."""
-from quantstudy import steps
+from quantstudy.jobserver import optional, run
 
-with steps.logged(snakemake.log[0]):
-    steps.export(checkpoint_json=snakemake.input.checkpoint, amax_json=snakemake.input.get("amax"),
-                 out=snakemake.output.export, **snakemake.params)
+run("quantstudy.steps:export", snakemake.log[0], checkpoint_json=str(snakemake.input.checkpoint),
+    amax_json=optional(snakemake.input, "amax"), out=str(snakemake.output.export), **snakemake.params)

@@ -1,6 +1,5 @@
 """Rule fetch_checkpoint: a checkpoint at its pinned revision, with file hashes."""
-from quantstudy import steps
+from quantstudy.jobserver import optional, run
 
-with steps.logged(snakemake.log[0]):
-    steps.fetch_checkpoint(out=snakemake.output[0], local_hub_json=snakemake.input.get("local_hub"),
-                           **snakemake.params)
+run("quantstudy.steps:fetch_checkpoint", snakemake.log[0], out=str(snakemake.output[0]),
+    local_hub_json=optional(snakemake.input, "local_hub"), **snakemake.params)

@@ -1,6 +1,6 @@
 """Rule fetch_dataset: seeded samples from a dataset at its pinned revision."""
-from quantstudy import steps
+from quantstudy.jobserver import optional, run
 
-with steps.logged(snakemake.log[0]):
-    steps.fetch_dataset(out=snakemake.output[0], checkpoint_json=snakemake.input.checkpoint,
-                        local_hub_json=snakemake.input.get("local_hub"), **snakemake.params)
+run("quantstudy.steps:fetch_dataset", snakemake.log[0], out=str(snakemake.output[0]),
+    checkpoint_json=str(snakemake.input.checkpoint), local_hub_json=optional(snakemake.input, "local_hub"),
+    **snakemake.params)

@@ -1,5 +1,4 @@
 """Rule local_hub: tiny checkpoints and datasets into the local Hugging Face cache."""
-from quantstudy import steps
+from quantstudy.jobserver import run
 
-with steps.logged(snakemake.log[0]):
-    steps.local_hub(out=snakemake.output[0], **snakemake.params)
+run("quantstudy.steps:local_hub", snakemake.log[0], out=str(snakemake.output[0]), **snakemake.params)

@@ -1,6 +1,5 @@
 """Rule profile: kernel time per call in the family's kernel groups."""
-from quantstudy import steps
+from quantstudy.jobserver import run
 
-with steps.logged(snakemake.log[0]):
-    steps.profile(checkpoint_json=snakemake.input.checkpoint, build_json=snakemake.input.build,
-                  out=snakemake.output.kernels, **snakemake.params)
+run("quantstudy.steps:profile", snakemake.log[0], checkpoint_json=str(snakemake.input.checkpoint),
+    build_json=str(snakemake.input.build), out=str(snakemake.output.kernels), **snakemake.params)

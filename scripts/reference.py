@@ -1,8 +1,7 @@
 """Rule reference: the reference model's outputs on the evaluation samples."""
-from quantstudy import steps
+from quantstudy.jobserver import run
 
-with steps.logged(snakemake.log[0]):
-    params = dict(snakemake.params.items())
-    samples = {name: snakemake.input[name] for name in params.pop("samples")}
-    steps.reference(checkpoint_json=snakemake.input.checkpoint, samples_jsons=samples,
-                    out_json=snakemake.output.json, out_tensors=snakemake.output.tensors, **params)
+params = dict(snakemake.params.items())
+run("quantstudy.steps:reference", snakemake.log[0], checkpoint_json=str(snakemake.input.checkpoint),
+    samples_jsons={name: str(snakemake.input[name]) for name in params.pop("samples")},
+    out_json=str(snakemake.output.json), out_tensors=str(snakemake.output.tensors), **params)

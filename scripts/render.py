@@ -1,5 +1,5 @@
 """Rule render: the study's README section from its tables and the templates."""
-from quantstudy import render, steps
+from quantstudy.jobserver import run
 
-with steps.logged(snakemake.log[0]):
-    render.render_file(snakemake.input.tables, snakemake.output.readme)
+run("quantstudy.render:render_file", snakemake.log[0], tables_json=str(snakemake.input.tables),
+    out=str(snakemake.output.readme))

@@ -1,6 +1,6 @@
 """Rule time: a variant and its baseline timed side by side."""
-from quantstudy import steps
+from quantstudy.jobserver import run
 
-with steps.logged(snakemake.log[0]):
-    steps.time(checkpoint_json=snakemake.input.checkpoint, build_json=snakemake.input.build,
-               baseline_build_json=snakemake.input.baseline_build, out=snakemake.output.timing, **snakemake.params)
+run("quantstudy.steps:time", snakemake.log[0], checkpoint_json=str(snakemake.input.checkpoint),
+    build_json=str(snakemake.input.build), baseline_build_json=str(snakemake.input.baseline_build),
+    out=str(snakemake.output.timing), **snakemake.params)

@@ -77,6 +77,14 @@ def skip_without_gpu(reason: str) -> None:
     pytest.skip(reason)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _code_checks_outside_the_checkout(tmp_path_factory):
+    """The tests' config loads record their passed checks in a temporary folder, not in .snakemake/."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qc, "CODE_CHECKS", tmp_path_factory.mktemp("checked-against-code"))
+        yield
+
+
 @pytest.fixture(scope="session")
 def test_run() -> qc.Run:
     return qc.load_run(yaml.safe_load(TEST_CONFIG.read_text()))

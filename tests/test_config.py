@@ -75,16 +75,27 @@ def test_variant_with_unknown_transform(tmp_path):
         load(doc, tmp_path)
 
 
-def test_a_cluster_job_step_reads_the_config_without_torch():
-    """Job steps re-read the Snakefile (load_run(against_code=False)): no torch, no model built;
-    the full load imports both."""
-    code = ("import sys, yaml; from quantstudy.config import load_run; "
-            f"load_run(yaml.safe_load(open('config/config.yaml')), against_code={{}}); "
+def test_a_cluster_job_step_reads_the_config_without_torch(tmp_path):
+    """Job steps re-read the Snakefile (load_run(against_code=False)): no torch, no model built.
+    The main process's full load imports both, once: a rerun of a config that passed the same
+    code finds its check recorded."""
+    code = ("import sys, pathlib, yaml; import quantstudy.config as qc; qc.CODE_CHECKS = pathlib.Path(sys.argv[1]); "
+            "qc.load_run(yaml.safe_load(open('config/config.yaml')), against_code=sys.argv[2] == 'full'); "
             "print('torch' in sys.modules, 'transformers.models.fnet.modeling_fnet' in sys.modules)")
-    seen = {flag: subprocess.run([sys.executable, "-c", code.format(flag)], cwd=ROOT, check=True,
-                                 capture_output=True, text=True).stdout.split()
-            for flag in (False, True)}
-    assert seen == {False: ["False", "False"], True: ["True", "True"]}
+    seen = [subprocess.run([sys.executable, "-c", code, str(tmp_path), load], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+            for load in ("job step", "full", "full")]
+    assert seen == [["False", "False"], ["True", "True"], ["False", "False"]]
+    assert len(list(tmp_path.iterdir())) == 1  # one recorded check per study
+
+
+def test_a_recorded_check_covers_only_its_own_config(tmp_path, monkeypatch):
+    monkeypatch.setattr(qc, "CODE_CHECKS", tmp_path)
+    load(study_doc(), tmp_path)
+    doc = study_doc()
+    doc["recipe"]["quantize"].append("fnet.encoder.layer.*.no_such_layer")
+    with pytest.raises(qc.ConfigError, match="no_such_layer"):
+        load(doc, tmp_path)
 
 
 def test_tiny_revision_must_be_the_content_hash(tmp_path):

@@ -12,6 +12,7 @@ each GPU job must have had a card of its own. QS_SLURM_TEST_CONFIG=.test/config.
 workflow tests' smaller DAG (30 jobs) the same way.
 """
 import copy
+import difflib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from pprint import pformat
 
 import pytest
 import yaml
@@ -132,6 +134,18 @@ def results(repo):
     base = repo / "results"
     return {p.relative_to(base).as_posix(): deterministic(p, repo)
             for p in sorted(base.rglob("*")) if p.is_file()}
+
+
+def assert_same_results(on_slurm, local):
+    """Name the files that differ and show the first difference, not two 150-file dicts."""
+    only = sorted(set(on_slurm) ^ set(local))
+    differ = sorted(k for k in set(on_slurm) & set(local) if on_slurm[k] != local[k])
+    if only or differ:
+        first = differ[0] if differ else None
+        diff = "" if first is None else "\n".join(difflib.unified_diff(
+            pformat(local[first]).splitlines(), pformat(on_slurm[first]).splitlines(),
+            "local/" + first, "on_slurm/" + first, lineterm="", n=2))
+        pytest.fail(f"in one run only: {only}\ndiffering: {differ}\n{diff[:6000]}")
 
 
 def skip_or_fail(reason):
@@ -264,7 +278,7 @@ def test_dag_through_slurm(slurm_cluster, tmp_path):
         assert card[a["JobId"]] != card[b["JobId"]], (a, b)
 
     # Same results as the local run, less provenance and measured times.
-    assert results(on_slurm) == results(local)
+    assert_same_results(results(on_slurm), results(local))
 
     summary = ROOT / "logs/test_slurm/summary.md"
     summary.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,102 @@
+"""One engine serving several settings (`engine:` in a study's settings).
+
+Deformable DETR builds one dynamic-shape engine and times it at two image sizes. Here: the
+config routes builds and checks that a setting fits the engine it names, and the real steps build
+one engine of the tiny DETR (ONNX Runtime from its dynamic ONNX, and torch) at one size and time
+it at another.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quantstudy import config as qc, steps
+
+from test_config import load, study_doc
+
+SQUARE = {"name": "96x96", "batch": 1, "shape": {"height": 96, "width": 96}, "quality": False}
+WIDE = {"name": "96x128", "batch": 1, "shape": {"height": 96, "width": 128}, "quality": False}
+FP16 = {"precision": "float16", "transforms": []}
+TIMING = {"warmup": 1, "rounds": 2, "calls_per_round": 1}
+
+
+def shared_doc() -> dict:
+    doc = study_doc()
+    doc["settings"]["b8-w512"]["engine"] = "w512"
+    return doc
+
+
+def test_a_shared_engine_is_built_once_under_its_own_setting(tmp_path):
+    path = tmp_path / "study.yaml"
+    path.write_text(json.dumps(shared_doc()))
+    study = qc.load_study(path, against_code=False)
+    assert study.engine_setting("b8-w512") == "w512" and study.engine_setting("w512") == "w512"
+    measured = {(m, s) for _, m, s, _ in study.engines(["cpu-torch"])}
+    built = {(m, s) for _, m, s, _ in study.builds(["cpu-torch"])}
+    assert ("fnet-base", "b8-w512") in measured and ("fnet-base", "b8-w512") not in built
+    assert built == measured - {("fnet-base", "b8-w512"), ("fnet-large", "b8-w512")}
+    assert study.setting("b8-w512").shape == {"window": 512}  # `engine` is not a shape key
+
+
+def test_a_setting_must_fit_the_engine_it_names(tmp_path):
+    # FNet's graphs are static: batch 8 does not run on a batch-1 engine.
+    with pytest.raises(qc.ConfigError, match=r"setting 'b8-w512' cannot run on the engine of 'w512' \(fnet-base, "
+                                             r"graph main\): input_ids axis 0 is 8, the engine takes 1"):
+        load(shared_doc(), tmp_path)
+
+
+@pytest.mark.parametrize("engine, problem", [
+    ("w999", "setting 'b8-w512': engine names unknown setting 'w999'"),
+    ("w128", "model 'fnet-large' has setting 'b8-w512' but not 'w128', whose engines it is timed on"),
+])
+def test_an_engine_setting_must_exist_on_every_model(engine, problem, tmp_path):
+    doc = shared_doc()
+    doc["settings"]["b8-w512"]["engine"] = engine
+    with pytest.raises(qc.ConfigError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+        load(doc, tmp_path)
+
+
+def test_an_engine_setting_builds_its_own_engine(tmp_path):
+    doc = shared_doc()
+    doc["settings"]["w512"]["engine"] = "w256"
+    with pytest.raises(qc.ConfigError, match="engine 'w512' is timed on another setting's engine itself"):
+        load(doc, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def detr_checkpoint(tmp_path_factory):
+    pytest.importorskip("timm", reason="Deformable DETR's models need timm")
+    out = tmp_path_factory.mktemp("detr")
+    arch, tiny = qc.load_architecture("tiny-deformable-detr"), {"seed": 0}
+    revision = qc.tiny_revision({"architecture": arch, "tiny": tiny})
+    model = {"repo": "quantstudy-tiny/deformable-detr", "revision": revision, "architecture": arch, "tiny": tiny}
+    steps.local_hub("deformable_detr", [model], [], str(out / "hf-cache"), str(out / "local_hub.json"))
+    steps.fetch_checkpoint(model["repo"], revision, str(out / "hf-cache"), True, "tiny-random-init",
+                           str(out / "checkpoint.json"))
+    return out / "checkpoint.json", arch
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_one_dynamic_engine_is_timed_at_two_sizes(backend, detr_checkpoint, tmp_path):
+    checkpoint, arch = detr_checkpoint
+    target = {"target": f"cpu-{backend}", "backend": backend, "device": "cpu",
+              **({"builder": {"intra_op_num_threads": 1}} if backend == "onnxruntime" else {})}
+    recipe = {"quantize": [], "dequantize_dtype": "float16"}
+    ident = {"model": "tiny", "setting": SQUARE["name"], "variant": "fp16"}
+    export_json = None
+    if backend == "onnxruntime":
+        export_json = str(tmp_path / "onnx" / "export.json")
+        steps.export(ident, "deformable_detr", SQUARE, arch, FP16, recipe, str(checkpoint), None, export_json)
+        assert json.loads(open(export_json).read())["status"] == "ok"
+    build = tmp_path / "engine" / "build.json"
+    steps.build({"target": target["target"], **ident}, "deformable_detr", target, SQUARE, arch, FP16, recipe,
+                str(checkpoint), None, str(build), export_json)
+    assert json.loads(build.read_text())["status"] == "ok", json.loads(build.read_text()).get("error")
+    for setting in (SQUARE, WIDE):
+        out = tmp_path / setting["name"] / "timing.json"
+        steps.time({"target": target["target"], **ident, "setting": setting["name"]}, "deformable_detr", target,
+                   setting, recipe, TIMING, str(checkpoint), str(build), str(build), str(out))
+        doc = json.loads(out.read_text())
+        assert doc["status"] == "ok", doc.get("error")
+        assert doc["shape"] == setting["shape"] and doc["setting"] == setting["name"]

@@ -297,6 +297,9 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
                        *[(f"baseline.by_setting.{s}", n) for s, n in doc["baseline"].get("by_setting", {}).items()]]:
         if name not in variants:
             problems.append(f"{role} names unknown variant {name!r}; variants: {', '.join(variants)}")
+    for name in doc.get("quality_against", []):
+        if name not in variants:
+            problems.append(f"quality_against names unknown variant {name!r}; variants: {', '.join(variants)}")
     for target, only in (doc.get("targets") or {}).items():
         for s in (only or {}).get("settings", []):
             if s not in settings:
@@ -308,6 +311,8 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
             base = doc["baseline"].get("by_setting", {}).get(s, doc["baseline"]["default"])
             if s in settings and base not in kept:
                 problems.append(f"targets.{target}.variants leaves out {base!r}, the baseline of setting {s!r}")
+        problems += [f"targets.{target}.variants leaves out {v!r}, which quality_against names"
+                     for v in doc.get("quality_against", []) if v in variants and v not in kept]
     for name in doc["baseline"].get("by_setting", {}):
         if name not in settings:
             problems.append(f"baseline.by_setting names unknown setting {name!r}; settings: {', '.join(settings)}")

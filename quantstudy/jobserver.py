@@ -1,8 +1,9 @@
 """A warm process that local jobs fork from, so that each job does not import torch again.
 
 Importing torch, Transformers and ModelOpt takes 6 to 14 s on two cores, and most jobs of the
-embedded default work for well under a second. When Snakemake runs jobs on this machine, the
-Snakefile starts one server (`onstart`) that imports them once and stops it at the end. A job's
+embedded default work for well under a second. When Snakemake runs jobs on this machine (a host
+without NVIDIA GPUs, see `start`), the Snakefile starts one server (`onstart`) that imports them
+once and stops it at the end. A job's
 script calls `run("quantstudy.steps:build", log, **kwargs)`; run hands the call, the job's
 working directory, environment and stdin/stdout/stderr to the server, which forks a worker for
 it: the worker is the job, with the same code, arguments and files as an in-process run. Where
@@ -18,6 +19,7 @@ memory are written to the job's log instead.
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib
 import os
 import pickle
@@ -107,10 +109,12 @@ def _receive(s: socket.socket) -> tuple[Any, list[int]]:
 
 # --- the server -----------------------------------------------------------------------------
 
-def start() -> subprocess.Popen | None:
+def start(on_gpu_hosts: bool = False) -> subprocess.Popen | None:
     """Start a server for this Snakemake process and export its address to the jobs; None where
-    fork is unavailable. Returns once the server serves (it has imported PRELOAD)."""
-    if sys.platform != "linux":
+    fork is unavailable, and on a host with NVIDIA GPUs unless `on_gpu_hosts`: CUDA in forked
+    workers is tested (tests/test_jobserver.py) but has not yet run on a GPU host, and there a
+    job's work outweighs its imports anyway. Returns once the server serves (it has imported PRELOAD)."""
+    if sys.platform != "linux" or (not on_gpu_hosts and glob.glob("/dev/nvidia[0-9]*")):
         return None
     address = os.path.join(tempfile.mkdtemp(prefix="quantstudy-jobs-"), "socket")
     server = subprocess.Popen([sys.executable, "-m", "quantstudy.jobserver", address, str(os.getpid())],

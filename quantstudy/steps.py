@@ -173,24 +173,26 @@ def _samples(samples_jsons: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
 # --- reference and calibration ----------------------------------------------------------------
 
 def reference(family: str, model: str, setting: dict[str, Any], metrics: dict[str, Any], seeds: dict[str, int],
-              checkpoint_json: str, samples_jsons: dict[str, str], out_json: str, out_tensors: str) -> None:
+              checkpoint_json: str, samples_jsons: dict[str, str], out_json: str, out_tensors: str,
+              dtype: str = "float32") -> None:
     """The reference model's outputs (fp32, TF32 off, or the study's dtype) on the evaluation samples:
     what every variant is compared with, and the family's metric blocks of the reference itself."""
+    import torch
     from safetensors.torch import save
 
     started = now()
     _deterministic()
     device = _device()
     tensors, blocks = _family(family).reference(_snapshot(checkpoint_json), _samples(samples_jsons),
-                                                _setting(setting), metrics, seeds, device)
+                                                _setting(setting), metrics, seeds, device, getattr(torch, dtype))
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     artifacts.atomic_write(out_tensors, save(tensors))
     write_json(out_json, "reference", {
-        "model": model, "setting": setting["name"], "device": device,
+        "model": model, "setting": setting["name"], "device": device, "dtype": dtype,
         "tensors": {k: list(v.shape) for k, v in tensors.items()}, "tensors_sha256": sha256_path(out_tensors),
         "blocks": blocks,
         "provenance": provenance("reference", {"checkpoint": checkpoint_json, **samples_jsons},
-                                 {"setting": setting, "metrics": metrics, "seeds": seeds}, started)})
+                                 {"setting": setting, "metrics": metrics, "seeds": seeds, "dtype": dtype}, started)})
 
 
 def calibrate(family: str, model: str, setting: dict[str, Any], architecture: dict[str, Any], recipe: dict[str, Any],
@@ -434,23 +436,29 @@ def _batched_run(runners: dict[str, Any], batch: int):
 
 def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,
              metrics: dict[str, Any], seeds: dict[str, int], checkpoint_json: str, build_json: str,
-             reference_json: str, reference_tensors: str, samples_jsons: dict[str, str], out: str) -> None:
-    """The family's quality metrics of the engine against the reference, and its non-finite scan."""
+             reference_json: str, reference_tensors: str, samples_jsons: dict[str, str], out: str,
+             against_builds: dict[str, str] | None = None) -> None:
+    """The family's quality metrics of the engine against the reference and against the engines
+    of `against_builds` (variant -> build.json, same target and setting), and its non-finite scan."""
     import torch
     from safetensors.torch import load_file
 
     started = now()
+    against_builds = against_builds or {}
     inputs = {"checkpoint": checkpoint_json, "build": build_json, "reference": reference_json,
-              "reference_tensors": reference_tensors, **samples_jsons}
+              "reference_tensors": reference_tensors, **samples_jsons,
+              **{f"against_{v}": p for v, p in against_builds.items()}}
     params = {"target": target, "metrics": metrics, "seeds": seeds, "setting": setting}
     try:
         _deterministic()
         st = _setting(setting)
         runners = _runners(family, read_json(build_json, "build"), recipe, checkpoint_json, st, target)
+        against = {v: _batched_run(_runners(family, read_json(p, "build"), recipe, checkpoint_json, st, target),
+                                   st.batch) for v, p in against_builds.items()}
         with torch.no_grad():
             result = _family(family).evaluate(_snapshot(checkpoint_json), _batched_run(runners, st.batch),
                                               load_file(reference_tensors), _samples(samples_jsons), st, metrics,
-                                              seeds, target["device"])
+                                              seeds, target["device"], against)
         log.info("%s; non-finite %d", result.blocks, result.total_nonfinite)
         write_json(out, "quality", {"status": "ok", **ident, "blocks": result.blocks,
                                     "nonfinite": {**result.nonfinite, "total_bad": result.total_nonfinite},

@@ -105,6 +105,15 @@ def variant_build(w, variant=None):
     return f"{VARIANT_DIR.format(**keys)}/build.json"
 
 
+def quality_against(w):
+    """The variants whose engines this variant's quality is also measured against (`quality_against`)."""
+    return [v for v in study(w).raw.get("quality_against", []) if v != w.variant]
+
+
+def against_builds(w):
+    return {f"against_{v}": variant_build(w, v) for v in quality_against(w)}
+
+
 def baseline_build(w):
     return variant_build(w, study(w).baseline(w.setting))
 

@@ -98,6 +98,7 @@ rule profile:
 rule evaluate:
     input:
         unpack(evaluation_samples),
+        unpack(against_builds),
         checkpoint=checkpoint_json,
         build=variant_build,
         reference=lambda w: f"{reference_prefix(w)}.json",
@@ -113,6 +114,7 @@ rule evaluate:
         metrics=lambda w: study(w).raw["metrics"],
         seeds=lambda w: study(w).raw["seeds"],
         samples=lambda w: list(evaluation_samples(w)),
+        against=quality_against,
     log:
         f"logs/{VARIANT_KEY}/evaluate.log",
     benchmark:

@@ -15,6 +15,7 @@ rule reference:
         metrics=lambda w: study(w).raw["metrics"],
         seeds=lambda w: study(w).raw["seeds"],
         samples=lambda w: list(evaluation_samples(w)),
+        dtype=lambda w: study(w).raw.get("reference_dtype", "float32"),
     log:
         "logs/{study}/{model}/{setting}/reference.log",
     benchmark:

@@ -124,3 +124,20 @@ def test_snakemake_stops_before_any_job(tmp_path):
     assert proc.returncode != 0
     assert "revision 'main' is not pinned" in proc.stdout + proc.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_quality_against_names_a_variant_every_target_builds(tmp_path):
+    doc = study_doc()
+    doc["quality_against"] = ["fp17"]
+    with pytest.raises(qc.ConfigError, match="quality_against names unknown variant 'fp17'"):
+        load(doc, tmp_path)
+    doc["quality_against"] = ["fp32"]  # the embedded default's ONNX Runtime target builds fp16 and fp8 only
+    with pytest.raises(qc.ConfigError, match="targets.cpu-onnxruntime.variants leaves out 'fp32', which quality_against names"):
+        load(doc, tmp_path)
+
+
+def test_reference_dtype_is_one_the_reference_can_run_in(tmp_path):
+    doc = study_doc()
+    doc["reference_dtype"] = "int8"
+    with pytest.raises(qc.ConfigError, match="int8"):
+        load(doc, tmp_path)

@@ -15,6 +15,8 @@ import pytest
 
 from quantstudy import jobserver
 
+from conftest import skip_without_gpu
+
 JOB_MODULE = textwrap.dedent("""
     import json, os, sys, time
     from quantstudy import steps
@@ -28,6 +30,12 @@ JOB_MODULE = textwrap.dedent("""
     def fail(message):
         raise RuntimeError(message)
 
+    def on_gpu(out):
+        import torch
+        x = torch.arange(4.0, device="cuda")
+        with open(out, "w") as f:
+            json.dump({"sum": float((x @ x).item()), "device": torch.cuda.get_device_name()}, f)
+
     def sleep(out):
         with open(out, "w") as f:
             f.write(str(os.getpid()))
@@ -37,7 +45,7 @@ JOB_MODULE = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def server():
-    proc = jobserver.start()
+    proc = jobserver.start(on_gpu_hosts=True)
     if proc is None:
         pytest.skip("the job server needs fork (Linux)")
     address = os.environ[jobserver.ADDRESS]
@@ -97,6 +105,19 @@ def test_a_killed_job_stops_its_worker(server, tmp_path):
     while _alive(worker):
         assert time.monotonic() < deadline, "the worker outlived its job"
         time.sleep(0.1)
+
+
+def test_a_worker_uses_the_gpu(server, tmp_path):
+    """The server never touches CUDA, so a forked worker initializes it as a fresh process would."""
+    import torch
+
+    if not torch.cuda.is_available():
+        skip_without_gpu("no CUDA device")
+    p = job(tmp_path, "run('jobmodule:on_gpu', 'job.log', out='out.json')", server[1])
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr
+    assert json.loads((tmp_path / "out.json").read_text())["sum"] == 14.0
+    assert "job server worker" in (tmp_path / "job.log").read_text()
 
 
 def _alive(pid: int) -> bool:

@@ -42,6 +42,16 @@ def test_failing_variant_is_rendered_and_the_others_complete(workflow_copy):
     assert "failed" not in fp8_row and "%" in fp8_row
 
 
+def test_quality_is_also_measured_against_the_variant_the_study_names(workflow_copy):
+    """.test/fnet.yaml: quality_against: [fp16-hs]. Every other variant's evaluation opens that engine too."""
+    for target in ("cpu-torch", "cpu-onnxruntime"):
+        fp8 = json.loads((workflow_copy / f"results/fnet/{target}/fnet-base/w512/fp8/quality.json").read_text())
+        assert fp8["provenance"]["inputs"]["against_fp16-hs"]["path"].endswith(f"{target}/fnet-base/w512/fp16-hs/build.json")
+        assert 0 < fp8["blocks"]["vs_fp16-hs"]["cls"]["relative_error"] < 1
+        own = json.loads((workflow_copy / f"results/fnet/{target}/fnet-base/w512/fp16-hs/quality.json").read_text())
+        assert "vs_fp16-hs" not in own["blocks"]
+
+
 def test_fp16_overflow_at_512_is_measured(workflow_copy):
     tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
     issue = tables["references"][0]

@@ -129,12 +129,17 @@ class Family(Protocol):
 
     # --- measurements ----------------------------------------------------------------------
     def reference(self, checkpoint: str | Path, samples: dict[str, list[dict[str, Any]]], setting: Setting,
-                  metrics: dict[str, Any], seeds: dict[str, int], device: str) -> tuple[dict[str, Any], Blocks]:
-        """Reference outputs (tensors kept for `evaluate`) and the reference's own metric blocks."""
+                  metrics: dict[str, Any], seeds: dict[str, int], device: str,
+                  dtype: Any) -> tuple[dict[str, Any], Blocks]:
+        """Reference outputs (tensors kept for `evaluate`) and the reference's own metric blocks, of
+        the reference model in the study's `reference_dtype` (fp32; bf16 for GPT-Neo)."""
 
     def evaluate(self, checkpoint: str | Path, run: Run, reference: dict[str, Any], samples: dict[str, list],
-                 setting: Setting, metrics: dict[str, Any], seeds: dict[str, int], device: str) -> Evaluation:
-        """Quality of an engine (`run`) against the reference tensors, and the non-finite scan."""
+                 setting: Setting, metrics: dict[str, Any], seeds: dict[str, int], device: str,
+                 against: Mapping[str, Run]) -> Evaluation:
+        """Quality of an engine (`run`) against the reference tensors, and the non-finite scan;
+        `against` holds the engines of the variants the study's `quality_against` names (same target
+        and setting), to compare with as the write-up does (Deformable DETR: against fp16)."""
 
     def kernel_group(self, region: str | None, name: str, device: str, op: dict[str, Any] | None,
                      setting: Setting) -> str:

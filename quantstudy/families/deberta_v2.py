@@ -334,11 +334,12 @@ class DebertaV2:
 
     # --- measurements --------------------------------------------------------------------
     def reference(self, checkpoint: str | Path, samples: dict[str, list[dict[str, Any]]], setting: Setting,
-                  metrics: dict[str, Any], seeds: dict[str, int], device: str):
+                  metrics: dict[str, Any], seeds: dict[str, int], device: str, dtype=None):
         raise NotImplementedError(NO_METRICS)
 
     def evaluate(self, checkpoint: str | Path, run, reference: dict[str, Any], samples: dict[str, list],
-                 setting: Setting, metrics: dict[str, Any], seeds: dict[str, int], device: str) -> Evaluation:
+                 setting: Setting, metrics: dict[str, Any], seeds: dict[str, int], device: str,
+                 against=None) -> Evaluation:
         raise NotImplementedError(NO_METRICS)
 
     # --- embedded default ----------------------------------------------------------------

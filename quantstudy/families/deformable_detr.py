@@ -287,10 +287,10 @@ class DeformableDetr:
         return {"pixel_values": torch.randn(setting.batch, 3, setting["height"], setting["width"], generator=g)}
 
     # --- measurements --------------------------------------------------------------------
-    def reference(self, checkpoint, samples, setting, metrics, seeds, device):
+    def reference(self, checkpoint, samples, setting, metrics, seeds, device, dtype):
         raise NotImplementedError(NOT_YET)
 
-    def evaluate(self, checkpoint, run, reference, samples, setting, metrics, seeds, device):
+    def evaluate(self, checkpoint, run, reference, samples, setting, metrics, seeds, device, against):
         raise NotImplementedError(NOT_YET)
 
     @staticmethod

@@ -307,13 +307,13 @@ class FNet:
         return peaks.tolist()
 
     def reference(self, checkpoint: str | Path, samples: dict[str, list[dict[str, Any]]], setting: Setting,
-                  metrics: dict[str, Any], seeds: dict[str, int], device: str):
+                  metrics: dict[str, Any], seeds: dict[str, int], device: str, dtype=torch.float32):
         """Transformers fp32 features of the held-out passages (masked and plain) and STS sentences,
         the reference's STS Spearman, and the largest 2D Fourier value per passage."""
         from quantstudy import metrics as qm
 
         window = setting["window"]
-        ref, tok = self.load_reference(checkpoint).to(device), self.processor(checkpoint)
+        ref, tok = self.load_reference(checkpoint, dtype).to(device), self.processor(checkpoint)
         heldout = [s["text"] for s in samples["heldout"]]
         sentences, gold = _sts_sentences(samples["sts"])
         ids = self.encode(tok, heldout, window)
@@ -338,9 +338,10 @@ class FNet:
 
     def evaluate(self, checkpoint: str | Path, run, reference: dict[str, torch.Tensor],
                  samples: dict[str, list[dict[str, Any]]], setting: Setting, metrics: dict[str, Any],
-                 seeds: dict[str, int], device: str) -> Evaluation:
+                 seeds: dict[str, int], device: str, against=None) -> Evaluation:
         """Masked-LM agreement (the PyTorch MLM head on the engine's features), CLS agreement, STS
-        Spearman, the quality bar, and the non-finite scan (held-out, STS, stress inputs, a batch)."""
+        Spearman, the quality bar, and the non-finite scan (held-out, STS, stress inputs, a batch).
+        Against another variant's engine (`quality_against`): CLS agreement with its features."""
         from quantstudy import metrics as qm
 
         ref_model, tok = self.load_reference(checkpoint), self.processor(checkpoint)
@@ -369,6 +370,9 @@ class FNet:
                      "batch": {"bad": bad(big), "of": big.shape[0]}}
         blocks = {"mlm": mlm, "cls": qm.cls_agreement(reference["heldout_cls"], heldout[:, 0]),
                   "sts": {"spearman": qm.sts_spearman(sts[0::2, 0], sts[1::2, 0], gold)}, "quality_bar": bar}
+        for name, other in (against or {}).items():
+            theirs = other({"input_ids": reference["heldout_ids"].long()}, f"held-out passages on {name}")
+            blocks[f"vs_{name}"] = {"cls": qm.cls_agreement(theirs["features"].float().cpu()[:, 0], heldout[:, 0])}
         return Evaluation(blocks, nonfinite)
 
     # --- embedded default ----------------------------------------------------------------

@@ -440,10 +440,10 @@ class TimmXcit:
         return out
 
     # --- measurements --------------------------------------------------------------------
-    def reference(self, checkpoint, samples, setting, metrics, seeds, device):
+    def reference(self, checkpoint, samples, setting, metrics, seeds, device, dtype):
         raise NotImplementedError(UNIMPLEMENTED)
 
-    def evaluate(self, checkpoint, run, reference, samples, setting, metrics, seeds, device):
+    def evaluate(self, checkpoint, run, reference, samples, setting, metrics, seeds, device, against):
         raise NotImplementedError(UNIMPLEMENTED)
 
     @staticmethod

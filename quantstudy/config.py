@@ -156,7 +156,7 @@ class Study:
     def calibration_setting(self, model: str, setting: str) -> str:
         """The setting whose amax file this one uses: the model's first quality setting that agrees
         on the shape keys calibration depends on (`calibrate_by`, default all of them; never the
-        batch). GPT-Neo calibrates by prefill alone, a shared dynamic engine by none."""
+        batch). A model with a KV cache may calibrate by prefill alone, a shared dynamic engine by none."""
         return _calibration_setting(self.raw, model, setting, self.settings, self.models[model].settings)
 
     def calibration_settings(self, model: str) -> list[str]:

@@ -4,7 +4,7 @@ Reads JSON and templates only (no torch, no backend). Every number in the output
 tables.json; ranges in sentences are computed here from all rows of the table they summarize.
 The section sits between marker comments, so it can be spliced into an existing README.
 
-    python -m quantstudy.render results/fnet/tables.json --into path/to/families/fnet/README.md
+    python -m quantstudy.render results/<study>/tables.json --into path/to/<study>/README.md
 """
 
 from __future__ import annotations

@@ -78,6 +78,22 @@ REL_TOL = {"torch": 0.0, "onnxruntime": 0.06, "tensorrt": 0.06, "torch-cuda": 0.
 RESULTS: list[tuple[str, str, str]] = []  # (family, backend, outcome), printed by conftest's summary
 
 
+GENERIC = ["quantstudy/steps.py", "quantstudy/aggregate.py", "quantstudy/render.py", "quantstudy/config.py",
+           "quantstudy/jobserver.py", "Snakefile", "rules/*.smk", "templates/study.md.j2", "templates/macros.md.j2",
+           "config/schemas/*.yaml", "quantstudy/schemas/*.json"]
+
+
+def test_generic_code_names_no_family():
+    """Steps, rules, aggregate, render, the shared templates and the generic schemas reach a model only
+    through the family contract: no family's name (nor its model's) appears in them."""
+    root = Path(__file__).resolve().parents[1]
+    words = set(families.names()) | {"fnet", "deberta", "gpt-neo", "xcit", "detr"}
+    found = [f"{path.relative_to(root)}: {w}" for pattern in GENERIC for path in sorted(root.glob(pattern))
+             for w in sorted(words) if w.lower() in path.read_text().lower()]
+    assert len(list(root.glob("rules/*.smk"))) >= 4
+    assert not found, found
+
+
 def test_every_registered_family_has_a_contract_case():
     assert sorted(CASES) == families.names(), "add the new family's tiny case to CASES"
     for name in families.names():

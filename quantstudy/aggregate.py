@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import math
 import operator
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import pandas as pd
 
-from quantstudy.artifacts import now, provenance, read_json, write_json
+from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, write_json
 from quantstudy.config import shape_of
 from quantstudy.render import value_range
 
@@ -35,11 +36,37 @@ def _error(doc: dict[str, Any]) -> str | None:
     return lines[-1] if lines else None  # a traceback's last line names the error
 
 
-def _rows(paths: list[str], kind: str, flatten_doc: Callable[[dict], Iterable[dict]]) -> pd.DataFrame:
-    """One or more rows per JSON (a row per graph where the JSON has graphs); a failed JSON is one row."""
+def _variant_ident(path: str) -> dict[str, str]:
+    """What the layout says of a per-variant artifact (results/<study>/<target>/<model>/<setting>/<variant>/x.json),
+    for a file too damaged to say it itself."""
+    return dict(zip(("target", "model", "setting", "variant"), Path(path).parts[-5:-1]))
+
+
+def _readable(paths: list[str], kind: str, damaged: list[dict[str, str]]) -> list[tuple[str, dict[str, Any]]]:
+    """(path, doc) of the artifacts that read as `kind`; each one that does not goes to `damaged`."""
+    docs = []
+    for path in paths:
+        try:
+            docs.append((path, read_json(path, kind)))
+        except DamagedArtifact as e:
+            log.error("%s", e)
+            damaged.append({"source": path, "kind": kind, "error": str(e)})
+    return docs
+
+
+def _rows(paths: list[str], kind: str, flatten_doc: Callable[[dict], Iterable[dict]],
+          damaged: list[dict[str, str]]) -> pd.DataFrame:
+    """One or more rows per JSON (a row per graph where the JSON has graphs); a failed JSON is one
+    row, and so is a damaged one (status "damaged"), which also goes to `damaged`."""
     rows = []
     for path in paths:
-        doc = read_json(path, kind)
+        try:
+            doc = read_json(path, kind)
+        except DamagedArtifact as e:
+            log.error("%s", e)
+            damaged.append({"source": path, "kind": kind, "error": str(e)})
+            rows.append({**_variant_ident(path), "status": "damaged", "error": e.problem, "source": path})
+            continue
         base = {k: doc.get(k) for k in IDENT} | {"error": _error(doc), "source": path}
         if doc.get("status", "ok") == "ok":
             rows += [base | r for r in flatten_doc(doc)]
@@ -131,16 +158,17 @@ def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame]) -> dict[str, 
 def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[str, str], run: dict[str, Any],
               targets: dict[str, dict[str, Any]], out: str) -> None:
     started = now()
-    speed = _rows(inputs["timings"], "timing", _speed)
-    quality = _rows(inputs["qualities"], "quality", _quality)
-    builds = _rows(inputs["builds"], "build", _build)
-    kernel_docs = [read_json(p, "kernels") for p in inputs["kernels"]]
-    kernels = _rows(inputs["kernels"], "kernels", _kernels)
+    damaged: list[dict[str, str]] = []  # inputs that could not be read: rendered, never a bare decoder error
+    speed = _rows(inputs["timings"], "timing", _speed, damaged)
+    quality = _rows(inputs["qualities"], "quality", _quality, damaged)
+    builds = _rows(inputs["builds"], "build", _build, damaged)
+    kernels = _rows(inputs["kernels"], "kernels", _kernels, damaged)
+    kernel_docs = [doc for _, doc in _readable(inputs["kernels"], "kernels", [])]
     settings = {name: shape_of(s) for name, s in study["settings"].items()}
     references = [{"model": r["model"], "setting": r["setting"], **settings[r["setting"]], **flatten(r["blocks"]),
-                   "source": p} for p, r in ((p, read_json(p, "reference")) for p in inputs["references"])]
-    amax = [read_json(p, "amax") | {"source": p} for p in inputs["amax"]]
-    checkpoints = [read_json(p, "checkpoint") | {"source": p} for p in inputs["checkpoints"]]
+                   "source": p} for p, r in _readable(inputs["references"], "reference", damaged)]
+    amax = [a | {"source": p} for p, a in _readable(inputs["amax"], "amax", damaged)]
+    checkpoints = [c | {"source": p} for p, c in _readable(inputs["checkpoints"], "checkpoint", damaged)]
     for frame in (speed, quality, builds, kernels):
         frame["gpu"] = frame.target.map(lambda t: targets[t].get("gpu", "cpu"))
         frame["backend"] = frame.target.map(lambda t: targets[t]["backend"])
@@ -165,6 +193,6 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
         "checkpoints": [{k: c[k] for k in ("repo", "revision", "weights", "source")} for c in checkpoints],
         "speed": _records(speed), "quality": _records(quality), "builds": _records(builds),
         "kernels": _records(kernels), "references": references, "calibration": calibration,
-        "decision": decide(study, {"speed": speed, "quality": quality}),
+        "decision": decide(study, {"speed": speed, "quality": quality}), "damaged": damaged,
         "provenance": provenance("aggregate", {f"{k}[{i}]": p for k, v in inputs.items() for i, p in enumerate(v)},
                                  {"study": study["study"], "run": run}, started)})

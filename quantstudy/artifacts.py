@@ -141,15 +141,33 @@ def write_json(path: str | Path, kind: str, doc: dict[str, Any]) -> None:
     atomic_write(path, text)
 
 
+class DamagedArtifact(ValueError):
+    """An artifact that cannot be read as what it should be: the path, what is wrong, how to remake it."""
+
+    def __init__(self, path: str | Path, problem: str):
+        self.path, self.problem = str(path), problem
+        super().__init__(f"{path}: {problem}; rerun the job that writes it: snakemake --force {path}")
+
+
 def read_json(path: str | Path, kind: str | None = None) -> dict[str, Any]:
-    doc = json.loads(Path(path).read_text())
+    """An artifact, checked: valid JSON, of `kind`, of this schema version, valid by its schema.
+    Anything else raises DamagedArtifact, which names the file."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise DamagedArtifact(path, f"not valid JSON ({e}), a truncated or edited file") from None
     if kind is not None:
-        if doc.get("schema") != kind:
-            raise ValueError(f"{path} holds a {doc.get('schema')!r} artifact, expected {kind!r}")
+        if not isinstance(doc, dict) or doc.get("schema") != kind:
+            found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
+            raise DamagedArtifact(path, f"holds a {found!r} artifact, expected {kind!r}")
         if doc.get("schema_version") != SCHEMA_VERSION:
-            raise ValueError(f"{path} is a {kind} artifact of schema version {doc.get('schema_version')}, this code "
-                             f"reads version {SCHEMA_VERSION}: rerun the job that wrote it")
-        jsonschema.validate(doc, load_schema(kind))
+            raise DamagedArtifact(path, f"is a {kind} artifact of schema version {doc.get('schema_version')}, "
+                                        f"this code reads version {SCHEMA_VERSION}")
+        try:
+            jsonschema.validate(doc, load_schema(kind))
+        except jsonschema.ValidationError as e:
+            where = "/".join(map(str, e.absolute_path)) or "the top level"
+            raise DamagedArtifact(path, f"fails the {kind} schema at {where}: {e.message}") from None
     return doc
 
 

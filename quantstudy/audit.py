@@ -7,12 +7,11 @@ down to checkpoint.json, whose file hashes are checked against the snapshot on d
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from quantstudy.artifacts import now, provenance, sha256_file, sha256_path, write_json
+from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, sha256_file, sha256_path, write_json
 
 log = logging.getLogger("quantstudy")
 
@@ -29,7 +28,11 @@ def check_chain(tables_json: str | Path) -> dict[str, Any]:
         seen.add(path)
         if not path.endswith(".json"):
             continue
-        doc = json.loads(Path(path).read_text())
+        try:
+            doc = read_json(path)
+        except DamagedArtifact as e:
+            problems.append(str(e))
+            continue
         for name, entry in doc.get("provenance", {}).get("inputs", {}).items():
             p = Path(entry["path"])
             if not p.exists():
@@ -51,13 +54,21 @@ def audit(tables_json: str, readme: str, out: str) -> None:
     from quantstudy import render
 
     started = now()
-    tables = json.loads(Path(tables_json).read_text())
+    tables = read_json(tables_json, "tables")
     readme_matches = render.render_section(tables) == Path(readme).read_text()
     chain = check_chain(tables_json)
     if not readme_matches:
         chain["problems"].insert(0, f"{readme} is not what the templates render from {tables_json}")
+    chain["problems"] += [f"an input could not be read: {d['error']}" for d in tables.get("damaged", [])]
     for p in chain["problems"]:
         log.warning(p)
     log.info("audited %d files: %d problems", chain["files_checked"], len(chain["problems"]))
     write_json(out, "audit", {"ok": not chain["problems"], "readme_matches_tables": readme_matches, **chain,
                               "provenance": provenance("audit", {"tables": tables_json, "readme": readme}, {}, started)})
+    if chain["problems"]:  # the run fails; the problems are in the log (Snakemake removes a failed job's output)
+        raise AuditFailed(f"the audit of {readme} found {len(chain['problems'])} problems; the first: "
+                          f"{chain['problems'][0]}")
+
+
+class AuditFailed(RuntimeError):
+    """A rendered README that cannot be traced to intact artifacts."""

@@ -62,8 +62,14 @@ def call(target: str, log_file: str | None, kwargs: dict[str, Any]) -> None:
     from quantstudy import steps
 
     module, function = target.split(":")
-    with steps.logged(log_file):
-        getattr(importlib.import_module(module), function)(**kwargs)
+    try:
+        with steps.logged(log_file):
+            getattr(importlib.import_module(module), function)(**kwargs)
+    except Exception:
+        if log_file:  # the traceback in the job's log too, not only on the terminal
+            with open(log_file, "a") as f:
+                f.write(traceback.format_exc())
+        raise
 
 
 class _Refused(Exception):

@@ -124,7 +124,8 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
                        for v in spec["variants"]}
     references = [{**r, "target": target, "variants": q[(target, r["model"], r["setting"])]}
                   for target in t["targets"] for r in t["references"] if (target, r["model"], r["setting"]) in q]
-    failures = [r for table in ("builds", "speed", "quality", "kernels") for r in t[table] if r["status"] != "ok"]
+    failures = [r for table in ("builds", "speed", "quality", "kernels") for r in t[table]
+                if r["status"] not in ("ok", "damaged")]  # a damaged file is listed with the other damaged inputs
     graphs = {r.get("graph") for r in t["speed"] if r.get("graph")}
     return {
         "t": t, "spec": spec, "candidate": cand, "run": t["run"], "settings": settings,
@@ -135,7 +136,7 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "baseline_of": baselines.__getitem__, "column_range": column_range, "ratio_range": ratio_range,
         "candidate_nonfinite": sum(r.get("nonfinite") or 0 for r in rows_of("candidate")),
         "size_change": size_change, "size_range": value_range(s["change"] for s in size_change),
-        "kernels": kernels, "kernel_groups": t["kernel_groups"], "failures": failures,
+        "kernels": kernels, "kernel_groups": t["kernel_groups"], "failures": failures, "damaged": t.get("damaged", []),
         "gpus": sorted({r["gpu"] for r in t["speed"]}), "decision": t["decision"],
         "variant_summary": variant_summary, "references": references, "several_graphs": len(graphs) > 1,
     }

@@ -142,3 +142,27 @@ def test_audit_traces_the_readme_to_pinned_inputs(workflow_copy, monkeypatch):
         assert any("amax.json) changed since it was read" in p for p in problems)
     finally:
         amax.write_text(original)
+
+
+def test_a_truncated_amax_file_is_named_rendered_and_fails_the_audit(workflow_copy, tmp_path):
+    """A damaged artifact is reported where it is read, with its path and how to remake it: the FP8
+    builds that read it fail with that sentence, aggregate lists it, the README shows it, and the
+    audit fails the run. The other variants' results stand."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    amax = repo / "results/fnet/fnet-base/calib/w512/amax.json"
+    amax.write_text(amax.read_text()[:200])
+    proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
+    assert proc.returncode != 0
+    log = (repo / "logs/fnet/audit.log").read_text()
+    assert "an input could not be read: results/fnet/fnet-base/calib/w512/amax.json: not valid JSON" in log
+    build = json.loads((repo / "results/fnet/cpu-torch/fnet-base/w512/fp8/build.json").read_text())
+    assert build["status"] == "failed" and "amax.json: not valid JSON" in build["error"]
+    assert "snakemake --force results/fnet/fnet-base/calib/w512/amax.json" in build["error"]
+    tables = json.loads((repo / "results/fnet/tables.json").read_text())
+    assert [d["source"] for d in tables["damaged"]] == ["results/fnet/fnet-base/calib/w512/amax.json"]
+    readme = (repo / "results/fnet/README.md").read_text()
+    assert "| `results/fnet/fnet-base/calib/w512/amax.json` | " in readme
+    assert json.loads((repo / "results/fnet/cpu-torch/fnet-base/w512/fp16/build.json").read_text())["status"] == "ok"

@@ -100,3 +100,41 @@ def test_one_dynamic_engine_is_timed_at_two_sizes(backend, detr_checkpoint, tmp_
         doc = json.loads(out.read_text())
         assert doc["status"] == "ok", doc.get("error")
         assert doc["shape"] == setting["shape"] and doc["setting"] == setting["name"]
+
+
+def test_the_dag_builds_a_shared_engine_once_and_times_it_at_both_sizes(tmp_path):
+    """The rules (snakemake -n): one export and one build per variant at the engine's setting, a
+    time job per setting, each reading that build."""
+    pytest.importorskip("timm", reason="Deformable DETR's models need timm")
+    from conftest import ROOT
+    from quantstudy.devtools import planned_jobs, snakemake
+    from test_contract import CASES
+
+    arch = qc.load_architecture("tiny-deformable-detr")
+    doc = {**study_doc(), "study": "detr_shared", "family": "deformable_detr", "title": "Deformable DETR (DAG test)",
+           "models": {"detr": {"checkpoint": {"repo": "quantstudy-tiny/deformable-detr",
+                                              "revision": qc.tiny_revision({"architecture": arch, "tiny": {"seed": 0}})},
+                               "architecture": "tiny-deformable-detr", "settings": ["96x96", "96x128"],
+                               "tiny": {"seed": 0}}},
+           "settings": {"96x96": {"batch": 1, "height": 96, "width": 96},
+                        "96x128": {"batch": 1, "height": 96, "width": 128, "quality": False, "engine": "96x96"}},
+           "calibrate_by": [], "baseline": {"default": "fp16"}, "candidate": "fp8", "targets": {},
+           "variants": {"fp16": {"precision": "float16"},
+                        "fp8": {"precision": "float16", "transforms": [{"fp8": {}}]}}}
+    doc["recipe"] = {**doc["recipe"], "quantize": CASES["deformable_detr"].quantize}
+    (tmp_path / "study.yaml").write_text(json.dumps(doc))
+    (tmp_path / "config.yaml").write_text(json.dumps({
+        "run": {"name": "dag-test", "weights": "tiny-random-init"}, "hf_cache": "resources/hf-cache", "offline": True,
+        "studies": {"detr_shared": {"spec": str(tmp_path / "study.yaml")}},
+        "targets": {"cpu-onnxruntime": {"backend": "onnxruntime", "device": "cpu"}}}))
+    base = "results/detr_shared/cpu-onnxruntime/detr"
+    proc = snakemake(ROOT, *[f"{base}/{s}/{v}/timing.json" for s in ("96x96", "96x128") for v in ("fp16", "fp8")],
+                     "-n", "--configfile", str(tmp_path / "config.yaml"))
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    jobs = planned_jobs(proc.stdout)
+    per_rule = {rule: sorted((w["setting"], w["variant"]) for r, w in jobs if r == rule)
+                for rule in ("export", "build", "time")}
+    assert per_rule["export"] == per_rule["build"] == [("96x96", "fp16"), ("96x96", "fp8")]
+    assert per_rule["time"] == [("96x128", "fp16"), ("96x128", "fp8"), ("96x96", "fp16"), ("96x96", "fp8")]
+    wide_fp8 = proc.stdout.split(f"output: {base}/96x128/fp8/timing.json")[0].rsplit("input:", 1)[1]
+    assert f"{base}/96x96/fp8/build.json" in wide_fp8 and f"{base}/96x96/fp16/build.json" in wide_fp8

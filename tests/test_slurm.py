@@ -7,7 +7,7 @@ that the GPU rules asked for a GPU, and that the results equal a local run's. Wi
 where that is a failure. Its wall time, one GPU and one CPU sbatch line and the Slurm records
 go to logs/test_slurm/summary.md.
 
-The DAG is the embedded default (config/config.yaml, 149 jobs) on a node of four test GPUs;
+The DAG is the embedded default (config/config.yaml, 160 jobs) on a node of four test GPUs;
 each GPU job must have had a card of its own. QS_SLURM_TEST_CONFIG=.test/config.yaml runs the
 workflow tests' smaller DAG (30 jobs) the same way.
 """

@@ -35,6 +35,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         repo = copy_checkout(ROOT, Path(tmp) / "repo")
         full, out = timed(repo, cores=cores)
+        logs = list((repo / "logs").rglob("*.log"))
+        forked = sum("job server worker" in f.read_text(errors="replace") for f in logs)
         jobs = len(planned_jobs(timed(repo, "-n", "--forceall", cores=cores)[1]))
         noop, _ = timed(repo, cores=cores)
         config = yaml.safe_load((repo / "config/config.yaml").read_text())
@@ -44,6 +46,9 @@ def main() -> None:
         (repo / "changed.yaml").write_text(yaml.safe_dump(config))
         changed = planned_jobs(timed(repo, "-n", "--configfile", "changed.yaml", cores=cores)[1])
     print(f"embedded default, whole DAG ({jobs} jobs, {cores} cores): {full:.1f} s")
+    # A job whose Python or checkout differs from the server's runs in its own process (a PYTHONPATH
+    # that puts another checkout first does that to every job).
+    print(f"jobs forked from the local job server: {forked} of {len(logs)} job logs")
     print(f"no-op rerun: {noop:.1f} s")
     print(f"one variant's params changed (fp8-no-output-dense): {len(changed)} jobs "
           f"{dict(collections.Counter(rule for rule, _ in changed))}")

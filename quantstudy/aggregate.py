@@ -42,6 +42,11 @@ def _variant_ident(path: str) -> dict[str, str]:
     return dict(zip(("target", "model", "setting", "variant"), Path(path).parts[-5:-1]))
 
 
+def _note_damaged(e: DamagedArtifact, kind: str, damaged: list[dict[str, str]]) -> None:
+    log.error("%s", e)
+    damaged.append({"source": e.path, "kind": kind, "error": str(e)})
+
+
 def _readable(paths: list[str], kind: str, damaged: list[dict[str, str]]) -> list[tuple[str, dict[str, Any]]]:
     """(path, doc) of the artifacts that read as `kind`; each one that does not goes to `damaged`."""
     docs = []
@@ -49,8 +54,7 @@ def _readable(paths: list[str], kind: str, damaged: list[dict[str, str]]) -> lis
         try:
             docs.append((path, read_json(path, kind)))
         except DamagedArtifact as e:
-            log.error("%s", e)
-            damaged.append({"source": path, "kind": kind, "error": str(e)})
+            _note_damaged(e, kind, damaged)
     return docs
 
 
@@ -63,8 +67,7 @@ def _rows(paths: list[str], kind: str, flatten_doc: Callable[[dict], Iterable[di
         try:
             doc = read_json(path, kind)
         except DamagedArtifact as e:
-            log.error("%s", e)
-            damaged.append({"source": path, "kind": kind, "error": str(e)})
+            _note_damaged(e, kind, damaged)
             rows.append({**_variant_ident(path), "status": "damaged", "error": e.problem, "source": path})
             continue
         base = {k: doc.get(k) for k in IDENT} | {"error": _error(doc), "source": path}

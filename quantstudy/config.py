@@ -146,7 +146,7 @@ class Study:
     def engine_setting(self, setting: str) -> str:
         """The setting whose engines this one is timed and evaluated on: itself, or the one its
         `engine:` names (one dynamic-shape engine serving several settings)."""
-        return self.raw["settings"][setting].get("engine", setting)
+        return _engine_of(self.raw["settings"], setting)
 
     def builds(self, run_targets):
         """(target, model, setting, variant) of every engine built: those the study measures, each
@@ -294,12 +294,10 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
         transforms = tuple((next(iter(t)), dict(next(iter(t.values())) or {})) for t in v.get("transforms", []))
         variants[name] = Variant(name, v["precision"], transforms)
     for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),
-                       *[(f"baseline.by_setting.{s}", n) for s, n in doc["baseline"].get("by_setting", {}).items()]]:
+                       *[(f"baseline.by_setting.{s}", n) for s, n in doc["baseline"].get("by_setting", {}).items()],
+                       *[("quality_against", n) for n in doc.get("quality_against", [])]]:
         if name not in variants:
             problems.append(f"{role} names unknown variant {name!r}; variants: {', '.join(variants)}")
-    for name in doc.get("quality_against", []):
-        if name not in variants:
-            problems.append(f"quality_against names unknown variant {name!r}; variants: {', '.join(variants)}")
     for target, only in (doc.get("targets") or {}).items():
         for s in (only or {}).get("settings", []):
             if s not in settings:
@@ -339,16 +337,21 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
                  {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()})
 
 
+def _engine_of(settings: dict[str, dict[str, Any]], name: str) -> str:
+    """The setting whose engines setting `name` runs on (its `engine:`, else itself): the one lookup."""
+    return settings[name].get("engine", name)
+
+
 def _engine_problems(doc: dict[str, Any], models: dict[str, Model]) -> list[str]:
     """`engine:` names a setting that builds its own engines, on every model that has this one."""
     problems = []
-    for name, s in doc["settings"].items():
-        engine = s.get("engine", name)
+    for name in doc["settings"]:
+        engine = _engine_of(doc["settings"], name)
         if engine == name:
             continue
         if engine not in doc["settings"]:
             problems.append(f"setting {name!r}: engine names unknown setting {engine!r}")
-        elif doc["settings"][engine].get("engine", engine) != engine:
+        elif _engine_of(doc["settings"], engine) != engine:
             problems.append(f"setting {name!r}: engine {engine!r} is timed on another setting's engine "
                             f"itself; name the setting that builds it")
         else:
@@ -413,8 +416,8 @@ def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], varian
     problems += [p for s in settings.values() for p in family.check_setting(s)]
     if problems or not match_layers:
         return problems
-    for name, s in doc["settings"].items():
-        engine = s.get("engine", name)
+    for name in doc["settings"]:
+        engine = _engine_of(doc["settings"], name)
         for model in (m for m in models.values() if engine != name and name in m.settings):
             problems += _engine_fit(family, settings[name], settings[engine], model)
     patterns = list(doc["recipe"]["quantize"]) + [p for v in variants.values() for t, params in v.transforms

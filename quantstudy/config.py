@@ -46,6 +46,7 @@ class Model:
     architecture: dict[str, Any]
     settings: tuple[str, ...]
     tiny: dict[str, Any] | None = None
+    timed: bool = True  # False: quality only (`timing: false`), no time or profile jobs
 
 
 @dataclass(frozen=True)
@@ -125,19 +126,22 @@ class Study:
                 "datasets": [{"repo": d.repo, "revision": d.revision, "files": d.files, "tiny": d.tiny}
                              for d in self.datasets.values() if d.tiny]}
 
-    def model_settings(self, quality_only: bool = False):
+    def model_settings(self, quality_only: bool = False, timed_only: bool = False):
         for model in self.models.values():
+            if timed_only and not model.timed:
+                continue
             for s in model.settings:
                 if not quality_only or self.settings[s].quality:
                     yield model.name, s
 
-    def engines(self, run_targets, quality_only: bool = False):
-        """(target, model, setting, variant) of every engine the study measures on the run's targets."""
+    def engines(self, run_targets, quality_only: bool = False, timed_only: bool = False):
+        """(target, model, setting, variant) of every engine the study measures on the run's targets
+        (`quality_only`: that it evaluates; `timed_only`: that it times and profiles)."""
         for t in run_targets:
             if self.targets and t not in self.targets:
                 continue
             only = self.targets.get(t) or {}
-            for m, s in self.model_settings(quality_only):
+            for m, s in self.model_settings(quality_only, timed_only):
                 if s in only.get("settings", [s]):
                     for v in self.variants:
                         if v in only.get("variants", [v]):
@@ -270,7 +274,10 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
             if s not in settings:
                 problems.append(f"model {name!r} names unknown setting {s!r}; settings: {', '.join(settings)}")
         models[name] = Model(name, m["checkpoint"]["repo"], m["checkpoint"]["revision"], m["architecture"],
-                             arch, tuple(m["settings"]), m.get("tiny"))
+                             arch, tuple(m["settings"]), m.get("tiny"), m.get("timing", True))
+        if not models[name].timed:
+            problems += [f"model {name!r} has timing: false, so its setting {s!r} (quality: false) would measure nothing"
+                         for s in m["settings"] if s in settings and not settings[s].quality]
         if m.get("tiny") and models[name].revision != tiny_revision(tiny_model_spec(models[name])):
             problems.append(f"model {name!r}: a tiny checkpoint's revision is the content hash of its spec: "
                             f"set revision to {tiny_revision(tiny_model_spec(models[name]))}")

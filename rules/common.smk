@@ -133,8 +133,12 @@ def study_targets(s):
 
 def engine_files(s, name):
     """Every per-variant artifact `name` of a study: each engine it measures (builds: each engine
-    it builds), on each of its targets."""
-    engines = s.builds(RUN.targets) if name == "build.json" else s.engines(RUN.targets, name == "quality.json")
+    it builds; timings and kernels: not those of models with `timing: false`), on each of its targets."""
+    if name == "build.json":
+        engines = s.builds(RUN.targets)
+    else:
+        engines = s.engines(RUN.targets, quality_only=name == "quality.json",
+                            timed_only=name in ("timing.json", "kernels.json"))
     return [f"results/{s.name}/{t}/{m}/{st}/{v}/{name}" for t, m, st, v in engines]
 
 

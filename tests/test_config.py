@@ -141,3 +141,22 @@ def test_reference_dtype_is_one_the_reference_can_run_in(tmp_path):
     doc["reference_dtype"] = "int8"
     with pytest.raises(qc.ConfigError, match="int8"):
         load(doc, tmp_path)
+
+
+def test_a_quality_only_model_is_built_and_evaluated_but_not_timed(tmp_path):
+    doc = study_doc()
+    doc["models"]["fnet-large"]["timing"] = False
+    doc["models"]["fnet-large"]["settings"] = ["w256"]
+    study = load(doc, tmp_path)
+    targets = ["cpu-torch"]
+    assert {m for _, m, _, _ in study.engines(targets, timed_only=True)} == {"fnet-base"}
+    assert {m for _, m, _, _ in study.engines(targets, quality_only=True)} == {"fnet-base", "fnet-large"}
+    assert {m for _, m, _, _ in study.builds(targets)} == {"fnet-base", "fnet-large"}
+
+
+def test_a_quality_only_model_cannot_have_a_timing_only_setting(tmp_path):
+    doc = study_doc()
+    doc["models"]["fnet-large"]["timing"] = False
+    with pytest.raises(qc.ConfigError, match=r"model 'fnet-large' has timing: false, so its setting 'b8-w512' "
+                                             r"\(quality: false\) would measure nothing"):
+        load(doc, tmp_path)

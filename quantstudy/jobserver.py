@@ -40,6 +40,10 @@ from typing import Any
 ADDRESS = "QUANTSTUDY_JOB_SERVER"
 PRELOAD = ("torch", "transformers", "onnx", "onnxruntime", "modelopt.torch.quantization",
            "quantstudy.steps", "quantstudy.families", "quantstudy.backends", "quantstudy.aggregate")
+# Imports that initialize CUDA where a GPU is visible (ModelOpt's GEMM kernels ask for the device's
+# capability at import; measured on an H200): a forked worker could not use the GPU after them,
+# so there each job imports them itself.
+INITIALIZE_CUDA = ("modelopt.torch.quantization",)
 
 
 def run(target: str, log_file: str | None, /, **kwargs: Any) -> None:
@@ -117,9 +121,9 @@ def _receive(s: socket.socket) -> tuple[Any, list[int]]:
 
 def start(on_gpu_hosts: bool = False) -> subprocess.Popen | None:
     """Start a server for this Snakemake process and export its address to the jobs; None where
-    fork is unavailable, and on a host with NVIDIA GPUs unless `on_gpu_hosts`: CUDA in forked
-    workers is tested (tests/test_jobserver.py) but has not yet run on a GPU host, and there a
-    job's work outweighs its imports anyway. Returns once the server serves (it has imported PRELOAD)."""
+    fork is unavailable or the server did not start, and on a host with NVIDIA GPUs unless
+    `on_gpu_hosts`: there a job's work outweighs its imports (CUDA in forked workers is tested,
+    tests/test_jobserver.py). Returns once the server serves (it has imported PRELOAD)."""
     if sys.platform != "linux" or (not on_gpu_hosts and glob.glob("/dev/nvidia[0-9]*")):
         return None
     address = os.path.join(tempfile.mkdtemp(prefix="quantstudy-jobs-"), "socket")
@@ -149,9 +153,12 @@ def stop(server: subprocess.Popen | None) -> None:
 def serve(address: str, owner: int) -> None:
     """Import PRELOAD, then fork one worker per job until the owner (Snakemake) exits."""
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() must not initialize CUDA
-    for module in PRELOAD:
-        importlib.import_module(module)
     import torch
+
+    gpu = torch.cuda.is_available()  # NVML-based: does not initialize CUDA
+    for module in PRELOAD:
+        if not (gpu and module in INITIALIZE_CUDA):
+            importlib.import_module(module)
 
     if torch.cuda.is_initialized():
         raise SystemExit("quantstudy job server: CUDA was initialized while importing; not serving")

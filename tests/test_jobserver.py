@@ -45,9 +45,10 @@ JOB_MODULE = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def server():
-    proc = jobserver.start(on_gpu_hosts=True)
-    if proc is None:
+    if sys.platform != "linux":
         pytest.skip("the job server needs fork (Linux)")
+    proc = jobserver.start(on_gpu_hosts=True)
+    assert proc is not None, "the job server did not start (its reason is on stderr)"
     address = os.environ[jobserver.ADDRESS]
     yield proc, address
     jobserver.stop(proc)

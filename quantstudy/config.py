@@ -192,8 +192,9 @@ def _validate(doc: Any, schema_file: str, where: str) -> None:
         for e in errors:
             path = ".".join(str(p) for p in e.absolute_path) or "(top level)"
             if e.validator == "pattern" and "revision" in path:
-                msg = (f"revision {e.instance!r} is not pinned: give the full 40-hex commit, "
-                       "not a branch, tag or short hash")
+                msg = (f"revision {e.instance!r} is not pinned: give the full 40-hex commit (or, as a write-up "
+                       "gives it, a short hash of at least 7 lower-case hex digits, which the lock step resolves), "
+                       "not a branch or tag")
             else:
                 msg = e.message
             lines.append(f"  {where}: {path}: {msg}")
@@ -251,13 +252,62 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
 
     `against_code` also checks the names it gives the code (family, transforms, the layers its
     recipe patterns match), which imports torch and builds each model on the meta device."""
+    doc = merged_study_doc(spec_path, overrides)
+    overrides = [overrides] if isinstance(overrides, (str, Path)) else list(overrides or [])
+    where = " + ".join(str(p) for p in [spec_path, *overrides])
+    _validate(doc, "study.schema.yaml", where)
+    return _build_study(_locked(doc, where), where, against_code)
+
+
+def merged_study_doc(spec_path: str | Path, overrides: str | list[str] | None = None) -> dict[str, Any]:
+    """A study spec with its override files deep-merged over it in order (not yet validated)."""
     overrides = [overrides] if isinstance(overrides, (str, Path)) else list(overrides or [])
     doc = _load_yaml(_path(spec_path))
     for o in overrides:
         doc = deep_merge(doc, _load_yaml(_path(o)) or {})
-    where = " + ".join(str(p) for p in [spec_path, *overrides])
-    _validate(doc, "study.schema.yaml", where)
-    return _build_study(doc, where, against_code)
+    return doc
+
+
+def _pinned(doc: dict[str, Any]):
+    """(repo type, the entry that names a repo and revision) of each checkpoint and dataset."""
+    for m in (doc.get("models") or {}).values():
+        yield "model", m["checkpoint"]
+    for d in (doc.get("datasets") or {}).values():
+        yield "dataset", d
+
+
+def lock_requests(doc: dict[str, Any]) -> list:
+    """The revisions of a study doc that are not full commits (short or none): the lock step's work."""
+    from quantstudy import lock
+
+    return [r for kind, e in _pinned(doc) if (r := lock.request(kind, e["repo"], e.get("revision")))]
+
+
+def _locked(doc: dict[str, Any], where: str) -> dict[str, Any]:
+    """The doc with every short or missing revision replaced by its commit in the lock file; an
+    unresolved one stops the run here, before any job, with the command that resolves it."""
+    from quantstudy import lock
+
+    doc, entries, unresolved = copy.deepcopy(doc), lock.read(), []
+    for kind, entry in _pinned(doc):
+        req = lock.request(kind, entry["repo"], entry.get("revision"))
+        if req is None:
+            continue
+        try:
+            commit = lock.locked_commit(req, entries)
+        except lock.LockError as e:
+            raise ConfigError(f"invalid study ({where}): {e}") from None
+        if commit is None:
+            unresolved.append(req)
+        else:
+            entry["revision"] = commit
+    if unresolved:
+        raise ConfigError(
+            f"unresolved revisions ({where}), not in {lock.shown(lock.LOCK_FILE)}:\n"
+            + "\n".join(f"  {r.describe()}" for r in unresolved)
+            + f"\nOn a machine that reaches the hub, run `{lock.command([str(p) for p in where.split(' + ')])}` "
+            "and commit the lock file; a short hash is never used as a revision.")
+    return doc
 
 
 def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:

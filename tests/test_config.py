@@ -39,7 +39,7 @@ def test_real_study_names_the_write_up_revisions():
     assert study.raw["samples"]["calibration"]["count"] == 544
 
 
-@pytest.mark.parametrize("revision", ["main", "v1.0", "d89b6fa", "D89B6FAD3CF5384848B783DC480F9685F49D008C"])
+@pytest.mark.parametrize("revision", ["main", "v1.0", "d89b6", "D89B6FAD3CF5384848B783DC480F9685F49D008C"])
 def test_unpinned_checkpoint_revision(tmp_path, revision):
     doc = study_doc()
     doc["models"]["fnet-base"]["checkpoint"]["revision"] = revision

@@ -73,9 +73,47 @@ def hardware() -> dict[str, Any]:
             info["gpu"] = torch.cuda.get_device_name(0)
             info["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
             info["cuda"] = torch.version.cuda
+            info["gpu_system"] = gpu_system(str(torch.cuda.get_device_properties(0).uuid))
     except ImportError:
         pass
     return info
+
+
+def gpu_system(uuid: str | None = None) -> dict[str, Any]:
+    """The job's GPU as the driver describes it (`nvidia-smi -q -x`): model, driver, CUDA, clocks
+    now and at most, power limit, and the clock event (throttle) reasons active at this moment.
+    Where nvidia-smi is missing or fails, the reason instead."""
+    try:
+        xml = subprocess.run(["nvidia-smi", "-q", "-x"], capture_output=True, text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"error": f"nvidia-smi: {e}"}
+    return parse_nvidia_smi(xml, uuid)
+
+
+def parse_nvidia_smi(xml: str, uuid: str | None = None) -> dict[str, Any]:
+    """The fields of gpu_system from nvidia-smi's XML, for the GPU whose UUID ends with `uuid`
+    (torch gives it without the GPU- prefix), else the first one."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(xml)
+    gpus = root.findall("gpu")
+    gpu = next((g for g in gpus if uuid and (g.findtext("uuid") or "").endswith(uuid)), gpus[0] if gpus else None)
+    if gpu is None:
+        return {"error": "nvidia-smi lists no GPU"}
+    text = lambda path: (gpu.findtext(path) or "").strip() or None
+    # Renamed from clocks_throttle_reasons to clocks_event_reasons in newer drivers.
+    reasons = gpu.find("clocks_event_reasons")
+    if reasons is None:
+        reasons = gpu.find("clocks_throttle_reasons")
+    active = sorted(r.tag.removeprefix("clocks_event_reason_").removeprefix("clocks_throttle_reason_")
+                    for r in (reasons if reasons is not None else []) if (r.text or "").strip() == "Active")
+    return {"name": text("product_name"), "uuid": text("uuid"), "driver": root.findtext("driver_version"),
+            "cuda_driver": root.findtext("cuda_version"),
+            "clocks_mhz": {k: text(f"clocks/{k}_clock") for k in ("graphics", "sm", "mem")},
+            "max_clocks_mhz": {k: text(f"max_clocks/{k}_clock") for k in ("graphics", "sm", "mem")},
+            "power_limit": text("gpu_power_readings/current_power_limit") or text("power_readings/power_limit"),
+            "temperature": text("temperature/gpu_temp"), "clock_event_reasons_active": active,
+            "persistence_mode": text("persistence_mode"), "compute_mode": text("compute_mode")}
 
 
 def workflow_commit() -> str:

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from quantstudy import artifacts
 from quantstudy.artifacts import SCHEMA_VERSION, DamagedArtifact, read_json
 
 REMAKE = "rerun the job that writes it: snakemake --force {}"
@@ -23,3 +24,25 @@ def test_a_damaged_artifact_is_named_with_how_to_remake_it(content, problem, tmp
     with pytest.raises(DamagedArtifact) as e:
         read_json(path, "amax")
     assert str(e.value).startswith(f"{path}: {problem}") and str(e.value).endswith(REMAKE.format(path))
+
+
+def test_gpu_system_reads_the_drivers_description():
+    """nvidia-smi's XML (a trimmed copy of an H200's) gives the fields every GPU job records."""
+    xml = """<?xml version="1.0" ?><nvidia_smi_log><driver_version>580.159.04</driver_version>
+    <cuda_version>13.0</cuda_version>
+    <gpu id="00000000:01:00.0"><product_name>NVIDIA A</product_name><uuid>GPU-aaaa</uuid></gpu>
+    <gpu id="00000000:02:00.0"><product_name>NVIDIA H200</product_name><uuid>GPU-1234-abcd</uuid>
+    <persistence_mode>Enabled</persistence_mode><compute_mode>Default</compute_mode>
+    <clocks_event_reasons><clocks_event_reason_gpu_idle>Not Active</clocks_event_reason_gpu_idle>
+    <clocks_event_reason_sw_power_cap>Active</clocks_event_reason_sw_power_cap></clocks_event_reasons>
+    <temperature><gpu_temp>31 C</gpu_temp></temperature>
+    <gpu_power_readings><current_power_limit>700.00 W</current_power_limit></gpu_power_readings>
+    <clocks><graphics_clock>1980 MHz</graphics_clock><sm_clock>1980 MHz</sm_clock><mem_clock>3201 MHz</mem_clock></clocks>
+    <max_clocks><graphics_clock>1980 MHz</graphics_clock><sm_clock>1980 MHz</sm_clock><mem_clock>3201 MHz</mem_clock></max_clocks>
+    </gpu></nvidia_smi_log>"""
+    system = artifacts.parse_nvidia_smi(xml, "1234-abcd")
+    assert system["name"] == "NVIDIA H200" and system["driver"] == "580.159.04" and system["cuda_driver"] == "13.0"
+    assert system["clocks_mhz"] == {"graphics": "1980 MHz", "sm": "1980 MHz", "mem": "3201 MHz"}
+    assert system["clock_event_reasons_active"] == ["sw_power_cap"]
+    assert system["power_limit"] == "700.00 W" and system["temperature"] == "31 C"
+    assert artifacts.parse_nvidia_smi(xml)["name"] == "NVIDIA A"  # no UUID given: the first GPU

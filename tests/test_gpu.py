@@ -124,3 +124,16 @@ def test_fp16_variant_has_no_fp8_kernels():
     runner = torch_backend.Runner(model.cuda(), {"input_ids": torch.randint(5, 500, (1, 256))}, "cuda", compile=True)
     proof = qt.fp8_proof(runner)
     assert proof["fp8_gemm_layers"] == 0 and proof["kernels"] == []
+
+
+def test_every_gpu_artifact_describes_its_gpu():
+    """The provenance of a GPU job: model, driver, CUDA, clocks and the active clock event reasons."""
+    from quantstudy import artifacts
+
+    hw = artifacts.hardware()
+    system = hw["gpu_system"]
+    assert "error" not in system, system
+    assert system["name"] == torch.cuda.get_device_name(0)
+    assert system["driver"] and system["cuda_driver"]
+    assert all(system["clocks_mhz"].values()) and all(system["max_clocks_mhz"].values())
+    assert isinstance(system["clock_event_reasons_active"], list)

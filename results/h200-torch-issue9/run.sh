@@ -23,6 +23,7 @@ stage() {
   if timeout $(left) bash -c "$*"; then touch $ev/$name.done; log "$name: done"; else log "$name: stopped ($?)"; return 1; fi
 }
 machine() {
+  nvidia-smi -q -x > $ev/nvidia-smi.xml 2>&1
   { nvidia-smi; nvidia-smi -q | grep -iE "product name|driver version|cuda version|clocks|power limit" | head -20
     python3 -c "import torch, transformers, timm, snakemake, modelopt, sys; print('python', sys.version.split()[0],
 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'timm', timm.__version__,

@@ -19,7 +19,9 @@ import jsonschema
 
 SCHEMA_DIR = Path(__file__).parent / "schemas"
 # 2: the family contract (named graphs, metric blocks, settings with shapes, data-driven decisions).
-SCHEMA_VERSION = 2
+# 3: every artifact carries the digest of its own content (`content_sha256`), checked on every read.
+SCHEMA_VERSION = 3
+DIGEST = "content_sha256"
 _SOFTWARE = ("torch", "transformers", "nvidia-modelopt", "onnx", "onnxruntime", "tensorrt",
              "huggingface_hub", "datasets", "numpy", "pandas", "snakemake")
 
@@ -175,8 +177,17 @@ def write_json(path: str | Path, kind: str, doc: dict[str, Any]) -> None:
     """Validate `doc` against the schema of `kind` and write it atomically (temp file, then rename)."""
     doc = {"schema": kind, "schema_version": SCHEMA_VERSION, **doc}
     jsonschema.validate(doc, load_schema(kind))
-    text = json.dumps(doc, indent=1, sort_keys=False, allow_nan=False, default=_jsonable) + "\n"
-    atomic_write(path, text)
+    doc = json.loads(json.dumps(doc, allow_nan=False, default=_jsonable))  # plain JSON values, as a reader sees them
+    doc[DIGEST] = content_digest(doc)
+    atomic_write(path, json.dumps(doc, indent=1, sort_keys=False, allow_nan=False) + "\n")
+
+
+def content_digest(doc: dict[str, Any]) -> str:
+    """sha256 of an artifact's canonical JSON (sorted keys, no spaces), its own digest left out:
+    written by the job that made the artifact and checked by every reader, so that a value edited
+    afterwards is refused on read, whether or not the workflow runs again."""
+    body = {k: v for k, v in doc.items() if k != DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()).hexdigest()
 
 
 class DamagedArtifact(ValueError):
@@ -188,12 +199,17 @@ class DamagedArtifact(ValueError):
 
 
 def read_json(path: str | Path, kind: str | None = None) -> dict[str, Any]:
-    """An artifact, checked: valid JSON, of `kind`, of this schema version, valid by its schema.
-    Anything else raises DamagedArtifact, which names the file."""
+    """An artifact, checked: valid JSON, its content digest, of `kind`, of this schema version, valid
+    by its schema. Anything else raises DamagedArtifact, which names the file."""
     try:
         doc = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise DamagedArtifact(path, f"not valid JSON ({e}), a truncated or edited file") from None
+    if isinstance(doc, dict) and "schema" in doc and doc.get("schema_version") == SCHEMA_VERSION:
+        if DIGEST not in doc:
+            raise DamagedArtifact(path, f"has no {DIGEST}, the digest its job writes: it was not written by that job")
+        if doc[DIGEST] != content_digest(doc):
+            raise DamagedArtifact(path, f"does not match its {DIGEST}: its content was edited after the job wrote it")
     if kind is not None:
         if not isinstance(doc, dict) or doc.get("schema") != kind:
             found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__

@@ -11,11 +11,19 @@ from quantstudy.artifacts import SCHEMA_VERSION, DamagedArtifact, read_json
 REMAKE = "rerun the job that writes it: snakemake --force {}"
 
 
+def signed(doc: dict) -> str:
+    """An artifact's text with the digest its job would write."""
+    return json.dumps({**doc, artifacts.DIGEST: artifacts.content_digest(doc)})
+
+
 @pytest.mark.parametrize("content, problem", [
     ('{"schema": "amax", "schema_v', "not valid JSON (Unterminated string"),
-    (json.dumps({"schema": "timing", "schema_version": SCHEMA_VERSION}), "holds a 'timing' artifact, expected 'amax'"),
-    (json.dumps({"schema": "amax", "schema_version": 1}), "is a amax artifact of schema version 1, this code reads version 2"),
-    (json.dumps({"schema": "amax", "schema_version": SCHEMA_VERSION}), "fails the amax schema at the top level: "),
+    (signed({"schema": "timing", "schema_version": SCHEMA_VERSION}), "holds a 'timing' artifact, expected 'amax'"),
+    (json.dumps({"schema": "amax", "schema_version": 1}),
+     f"is a amax artifact of schema version 1, this code reads version {SCHEMA_VERSION}"),
+    (signed({"schema": "amax", "schema_version": SCHEMA_VERSION}), "fails the amax schema at the top level: "),
+    (json.dumps({"schema": "amax", "schema_version": SCHEMA_VERSION}),
+     "has no content_sha256, the digest its job writes: it was not written by that job"),
     ("[1, 2]", "holds a 'list' artifact, expected 'amax'"),
 ])
 def test_a_damaged_artifact_is_named_with_how_to_remake_it(content, problem, tmp_path):
@@ -46,3 +54,21 @@ def test_gpu_system_reads_the_drivers_description():
     assert system["clock_event_reasons_active"] == ["sw_power_cap"]
     assert system["power_limit"] == "700.00 W" and system["temperature"] == "31 C"
     assert artifacts.parse_nvidia_smi(xml)["name"] == "NVIDIA A"  # no UUID given: the first GPU
+
+
+def test_a_value_edited_after_its_job_wrote_it_is_refused_on_read(tmp_path):
+    """The job's digest covers every value: the artifact reads back as written, and not once edited."""
+    import numpy as np
+
+    path = tmp_path / "samples.json"
+    doc = {"dataset": "wikitext", "repo": "org/data", "revision": "0" * 40, "split": "test", "kind": "passages",
+           "samples": [{"id": 1, "sha256": "ab", "x": np.float32(0.1)}], "provenance": artifacts.provenance("fetch_dataset")}
+    artifacts.write_json(path, "samples", doc)
+    assert read_json(path, "samples")["samples"][0]["x"] == pytest.approx(0.1)
+    text = path.read_text()
+    assert '"id": 1' in text
+    path.write_text(text.replace('"id": 1', '"id": 2'))
+    with pytest.raises(DamagedArtifact, match="does not match its content_sha256: its content was edited after the job"):
+        read_json(path, "samples")
+    with pytest.raises(DamagedArtifact, match="was edited after the job"):  # also where the reader names no kind
+        read_json(path)

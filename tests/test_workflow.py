@@ -166,3 +166,25 @@ def test_a_truncated_amax_file_is_named_rendered_and_fails_the_audit(workflow_co
     readme = (repo / "results/fnet/README.md").read_text()
     assert "| `results/fnet/fnet-base/calib/w512/amax.json` | " in readme
     assert json.loads((repo / "results/fnet/cpu-torch/fnet-base/w512/fp16/build.json").read_text())["status"] == "ok"
+
+
+def test_a_result_edited_then_rerun_is_refused_and_fails_the_audit(workflow_copy, tmp_path):
+    """An edited value in a measurement JSON, then `snakemake` again: the digest its job wrote no
+    longer matches, so aggregate refuses the file instead of rendering the edited number, the README
+    lists it, and the audit fails the run naming it."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    quality = repo / "results/fnet/cpu-torch/fnet-base/w128/fp8/quality.json"
+    text = quality.read_text()
+    edited = re.sub(r'"top1_agreement": [0-9.e-]+', '"top1_agreement": 1.0', text, count=1)
+    assert edited != text
+    quality.write_text(edited)
+    proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
+    assert proc.returncode != 0
+    source = "results/fnet/cpu-torch/fnet-base/w128/fp8/quality.json"
+    assert f"{source}: does not match its content_sha256" in (repo / "logs/fnet/audit.log").read_text()
+    tables = json.loads((repo / "results/fnet/tables.json").read_text())
+    assert [d["source"] for d in tables["damaged"]] == [source]
+    assert f"| `{source}` | " in (repo / "results/fnet/README.md").read_text()

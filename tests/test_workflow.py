@@ -176,14 +176,14 @@ def test_a_result_edited_then_rerun_is_refused_and_fails_the_audit(workflow_copy
 
     repo = tmp_path / "repo"
     shutil.copytree(workflow_copy, repo, symlinks=True)
-    quality = repo / "results/fnet/cpu-torch/fnet-base/w128/fp8/quality.json"
+    quality = repo / "results/fnet/cpu-torch/fnet-base/w512/fp8/quality.json"
     text = quality.read_text()
-    edited = re.sub(r'"top1_agreement": [0-9.e-]+', '"top1_agreement": 1.0', text, count=1)
+    edited = re.sub(r'"kl_mean": [0-9.e-]+', '"kl_mean": 0.125', text, count=1)
     assert edited != text
     quality.write_text(edited)
     proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
     assert proc.returncode != 0
-    source = "results/fnet/cpu-torch/fnet-base/w128/fp8/quality.json"
+    source = "results/fnet/cpu-torch/fnet-base/w512/fp8/quality.json"
     assert f"{source}: does not match its content_sha256" in (repo / "logs/fnet/audit.log").read_text()
     tables = json.loads((repo / "results/fnet/tables.json").read_text())
     assert [d["source"] for d in tables["damaged"]] == [source]

@@ -321,6 +321,8 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
             modules = _variant_modules(family, _snapshot(checkpoint_json), st, spec, recipe, amax_doc, graphs)
             for name, (model, summary) in modules.items():
                 engines[name] = backend.build(model, Path(out).parent / name)
+        for engine in engines.values():  # what every job that opens it checks, and the audit
+            engine["engine_sha256"] = artifacts.sha256_file(engine["engine"])
         calibration = None
         if amax_doc:
             calibration = {"amax": {n: amax_doc["amax"][n] for n in summary["fp8_layers"]},
@@ -352,10 +354,21 @@ def _runners(family: str, build_doc: dict[str, Any], recipe: dict, checkpoint_js
     if getattr(backend, "INPUT", "module") == "module":  # an ONNX engine carries its own structure
         skeletons = {g: m for g, (m, _) in _variant_modules(family, ckpt, setting, build_doc["spec"], recipe,
                                                              build_doc.get("calibration"), names).items()}
+    for g in names:
+        recorded, path = build_doc["graphs"][g]["engine_sha256"], build_doc["graphs"][g]["engine"]
+        if artifacts.sha256_file(path) != recorded:
+            raise RuntimeError(f"the engine {path} is not the one the build of {build_doc['variant']} made (its sha256 "
+                               f"differs from the build's {recorded}); rebuild it: snakemake --force "
+                               f"{Path(path).parent.parent / 'build.json'}")
     precision = build_doc["spec"]["precision"]
     return {g: backend.open(Path(build_doc["graphs"][g]["engine"]).parent,
                             _example_inputs(family, ckpt, g, setting, precision), target, skeletons.get(g))
             for g in names}
+
+
+def _engine_digests(build_doc: dict[str, Any]) -> dict[str, str]:
+    """{graph: sha256} of the engines a job measured (TEST01: the timed and the evaluated engine are one file)."""
+    return {g: e["engine_sha256"] for g, e in build_doc["graphs"].items()}
 
 
 def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,
@@ -385,7 +398,7 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
             v, b = result[ident["variant"]], result[baseline]
             graphs[g] = {"variant_ms": v, "baseline_ms": b, **qt.speedup(b["samples_ms"], v["samples_ms"]), "fp8": fp8}
         write_json(out, "timing", {"status": "ok", **ident, "baseline": baseline, "batch": st.batch,
-                                   "shape": dict(st.shape), "graphs": graphs,
+                                   "shape": dict(st.shape), "graphs": graphs, "engine_sha256": _engine_digests(variant_doc),
                                    "provenance": provenance("time", inputs, params, started)})
     except Exception:
         _failure("timing", out, ident, traceback.format_exc(), "time", inputs, params, started, baseline=baseline)
@@ -452,7 +465,8 @@ def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting
     try:
         _deterministic()
         st = _setting(setting)
-        runners = _runners(family, read_json(build_json, "build"), recipe, checkpoint_json, st, target)
+        build_doc = read_json(build_json, "build")
+        runners = _runners(family, build_doc, recipe, checkpoint_json, st, target)
         against = {v: _batched_run(_runners(family, read_json(p, "build"), recipe, checkpoint_json, st, target),
                                    st.batch) for v, p in against_builds.items()}
         with torch.no_grad():
@@ -461,6 +475,7 @@ def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting
                                               seeds, target["device"], against)
         log.info("%s; non-finite %d", result.blocks, result.total_nonfinite)
         write_json(out, "quality", {"status": "ok", **ident, "blocks": result.blocks,
+                                    "engine_sha256": _engine_digests(build_doc),
                                     "nonfinite": {**result.nonfinite, "total_bad": result.total_nonfinite},
                                     "provenance": provenance("evaluate", inputs, params, started)})
     except Exception:

@@ -188,3 +188,47 @@ def test_a_result_edited_then_rerun_is_refused_and_fails_the_audit(workflow_copy
     tables = json.loads((repo / "results/fnet/tables.json").read_text())
     assert [d["source"] for d in tables["damaged"]] == [source]
     assert f"| `{source}` | " in (repo / "results/fnet/README.md").read_text()
+
+
+def _audit_cli(repo: Path, *args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "quantstudy.audit", *args], cwd=repo, capture_output=True, text=True)
+
+
+def test_the_audit_command_checks_a_study_and_prints_one_numbers_chain(workflow_copy):
+    proc = _audit_cli(workflow_copy, "check", "results/fnet")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # A number of the speed table, as the README shows it: the rows it can be, and each one's chain
+    # down to the pinned checkpoint, with the job, machine and software of every step.
+    tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
+    row = next(r for r in tables["speed"] if r["variant"] == "fp8" and r["status"] == "ok")
+    shown = f"{row['variant_ms']:.3f}"
+    assert shown in (workflow_copy / "results/fnet/README.md").read_text()
+    proc = _audit_cli(workflow_copy, "chain", "results/fnet/README.md", shown)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"column variant_ms = {row['variant_ms']!r}, from {row['source']}" in proc.stdout
+    assert "rule time, " in proc.stdout and "rule build, " in proc.stdout and "rule fetch_checkpoint, " in proc.stdout
+    assert "pinned: quantstudy-tiny/fnet-base at " in proc.stdout
+
+
+def test_the_chain_names_the_first_broken_link(workflow_copy, tmp_path):
+    """An engine file changed after its build: the chain of a timing that read it says where."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    timing = "results/fnet/cpu-torch/fnet-base/w512/fp8/timing.json"
+    build = json.loads((repo / "results/fnet/cpu-torch/fnet-base/w512/fp8/build.json").read_text())
+    engine = build["graphs"]["main"]["engine"]
+    (repo / engine).write_bytes((repo / engine).read_bytes() + b"\0")
+    proc = _audit_cli(repo, "chain", timing)
+    assert proc.returncode == 1
+    assert f"first broken link: {engine}: changed since the job that read it recorded its sha256" in proc.stderr
+    proc = _audit_cli(repo, "check", "results/fnet")
+    assert proc.returncode == 1 and f"engine {engine} (graph main) is missing or not the file it built" in proc.stdout
+    # A job that opens it refuses it, naming the build to redo.
+    proc = snakemake(repo, "--configfile", ".test/config.yaml", "--forcerun", "time", "--keep-going", timing)
+    doc = json.loads((repo / timing).read_text())
+    assert doc["status"] == "failed" and f"the engine {engine} is not the one the build of fp8 made" in doc["error"]

@@ -61,3 +61,31 @@ def sts_spearman(cls_first: torch.Tensor, cls_second: torch.Tensor, gold: list[f
     if not np.isfinite(cos).all():
         return None
     return float(spearmanr(cos, np.asarray(gold)).statistic)
+
+
+# --- image classifiers: top-1 against the reference and the labels ---------------------------
+
+def nonfinite_rows(x: torch.Tensor) -> int:
+    """How many rows (first axis) hold a NaN or an infinity."""
+    return int((~finite_rows(x)).sum())
+
+
+def top1_agreement(ref_logits: torch.Tensor, eng_logits: torch.Tensor) -> dict[str, Any]:
+    """Share of rows whose top class is the reference's. A non-finite engine row counts as a
+    disagreement: a NaN output is a wrong answer to whoever reads the engine's top class."""
+    if ref_logits.shape != eng_logits.shape:
+        raise ValueError(f"reference logits {tuple(ref_logits.shape)} and engine logits {tuple(eng_logits.shape)} "
+                         "differ in shape")
+    if ref_logits.shape[0] == 0:
+        return {"top1_agreement": None, "rows": 0, "disagree": 0}
+    same = (ref_logits.argmax(-1) == eng_logits.argmax(-1)) & finite_rows(eng_logits)
+    return {"top1_agreement": float(same.double().mean()), "rows": int(same.numel()),
+            "disagree": int((~same).sum())}
+
+
+def top1_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float | None:
+    """Share of rows whose top class is the label (a non-finite row counts as wrong)."""
+    if logits.shape[0] == 0:
+        return None
+    right = (logits.argmax(-1) == labels.to(logits.device)) & finite_rows(logits)
+    return float(right.double().mean())

@@ -351,3 +351,124 @@ def test_kernel_groups(fam):
     assert fam.kernel_group(None, "sm90_xmma_gemm_f16f16_f32", "cuda", None) == "fp16 GEMMs"
     assert fam.kernel_group(None, "vectorized_layer_norm_kernel", "cuda", None) == "other"
     assert set(fam.regions.values()) <= set(fam.kernel_groups)
+
+
+# --- reference and evaluate -------------------------------------------------------------------
+
+EVAL_METRICS, EVAL_SEEDS = {"stress_inputs": 18}, {"stress": 0}
+
+
+@pytest.fixture(scope="module")
+def eval_sets(fam, dataset):
+    """Two disjoint evaluation sets of the tiny split (6 and 10 images), as fetch_dataset draws them."""
+    spec = {"kind": "images", "seed": 3}
+    return {"heldout": fam.draw_samples(dataset["rows"], {**spec, "count": 6, "offset": 8}, None),
+            "extra_heldout": fam.draw_samples(dataset["rows"], {**spec, "count": 10, "offset": 14}, None)}
+
+
+@pytest.fixture(scope="module")
+def reference(fam, tiny, eval_sets):
+    return fam.reference(tiny, eval_sets, S224, EVAL_METRICS, EVAL_SEEDS, "cpu", torch.float32)
+
+
+def _engine(fam, checkpoint, batch: int, calls: list, poison_first_row: bool = False):
+    """An engine as the evaluate step hands it to the family: the fp32 graph module run in whole
+    batches of `batch`. Records each call's row count; `poison_first_row`: the first output row of
+    every call is NaN (an engine that overflows on some inputs)."""
+    module = fam.module(checkpoint, "main", S224)
+
+    def run(inputs, what="", graph="main", whole=False):
+        x = inputs["pixel_values"]
+        calls.append(x.shape[0])
+        with torch.no_grad():
+            logits = torch.cat([module(pixel_values=x[i:i + batch])["logits"] for i in range(0, len(x), batch)])
+        if poison_first_row:
+            logits[0] = float("nan")
+        return {"logits": logits}
+    return run
+
+
+def test_reference_is_the_timm_models_logits_on_each_set(fam, tiny, eval_sets, reference):
+    tensors, blocks = reference
+    assert sorted(tensors) == ["extra_heldout_labels", "extra_heldout_logits", "heldout_labels", "heldout_logits"]
+    model = fam.load_reference(tiny, torch.float32)
+    for name, samples in eval_sets.items():
+        x = torch.stack([fam.processor(tiny)(img) for img in load_images(samples)])
+        with torch.no_grad():
+            want = model(x)
+        assert tensors[f"{name}_logits"].shape == (len(samples), 10)
+        assert torch.allclose(tensors[f"{name}_logits"], want, rtol=0, atol=1e-5 * want.abs().max())
+        labels = torch.tensor([s["label"] for s in samples])
+        assert torch.equal(tensors[f"{name}_labels"], labels)
+        right = int((want.argmax(-1) == labels).sum())
+        assert blocks[name] == {"top1_accuracy": right / len(samples), "images": len(samples)}
+
+
+def test_an_engine_equal_to_the_reference_agrees_everywhere(fam, tiny, eval_sets, reference):
+    calls = []
+    batch4 = Setting("b4", 4, {"height": 224, "width": 224})
+    result = fam.evaluate(tiny, _engine(fam, tiny, 4, calls), reference[0], eval_sets, batch4, EVAL_METRICS,
+                          EVAL_SEEDS, "cpu", {})
+    for name, samples in eval_sets.items():
+        assert result.blocks[name]["top1_agreement"] == 1.0
+        assert result.blocks[name]["rows"] == len(samples) and result.blocks[name]["disagree"] == 0
+        assert result.blocks[name]["top1_accuracy"] == reference[1][name]["top1_accuracy"]
+        assert result.nonfinite[name] == {"bad": 0, "of": len(samples)}
+    assert result.nonfinite["stress"]["bad"] == 0 and result.nonfinite["stress"]["of"] == 18
+    assert len(result.nonfinite["stress"]["kinds"]) >= 17
+    # A static batch-4 engine only ever gets whole batches: 6, 10 and 18 rows go in padded to 8, 12, 20.
+    assert calls == [8, 12, 20]
+
+
+def test_nan_rows_are_counted_and_disagree(fam, tiny, eval_sets, reference):
+    """The first row of every engine call is NaN: one per set (each set is one call at batch 1 and
+    EVAL_CHUNK images a call) and one of the stress inputs."""
+    result = fam.evaluate(tiny, _engine(fam, tiny, 1, [], poison_first_row=True), reference[0], eval_sets, S224,
+                          EVAL_METRICS, EVAL_SEEDS, "cpu", {})
+    assert result.nonfinite["heldout"] == {"bad": 1, "of": 6}
+    assert result.nonfinite["extra_heldout"] == {"bad": 1, "of": 10}
+    assert result.nonfinite["stress"]["bad"] == 1 and result.total_nonfinite == 3
+    assert result.blocks["heldout"]["top1_agreement"] == 5 / 6
+    assert result.blocks["extra_heldout"]["top1_agreement"] == 9 / 10
+
+
+def test_fp8_disagreement_is_measured_against_fp32_and_against_another_engine(fam, tiny, eval_sets, reference,
+                                                                              dataset):
+    """An FP8 fake-quant engine (the study's recipe, amax from the tiny calibration images): its
+    agreement with the reference is what its own top classes say, and `against` compares engines."""
+    samples = fam.draw_samples(dataset["rows"], {"kind": "images", "count": 8, "seed": 3, "offset": 0}, None)
+    amax = observed_amax(fam.module(tiny, "main", S224), fam.calibration_batches(tiny, samples, S224))
+    fp8, _ = quantization.apply_variant(fam.module(tiny, "main", S224), VARIANTS["fp8"], RECIPE, amax)
+    run_fp8 = lambda inputs, what="", graph="main", whole=False: {
+        "logits": torch.cat([fp8(pixel_values=inputs["pixel_values"][i:i + 1].half())["logits"].float()
+                             for i in range(len(inputs["pixel_values"]))])}
+    exact = _engine(fam, tiny, 1, [])
+    result = fam.evaluate(tiny, run_fp8, reference[0], eval_sets, S224, EVAL_METRICS, EVAL_SEEDS, "cpu",
+                          {"fp32": exact})
+    for name, samples in eval_sets.items():
+        x = torch.stack([fam.processor(tiny)(img) for img in load_images(samples)])
+        with torch.no_grad():
+            mine = run_fp8({"pixel_values": x})["logits"].argmax(-1)
+        want = float((mine == reference[0][f"{name}_logits"].argmax(-1)).double().mean())
+        assert result.blocks[name]["top1_agreement"] == want
+        # the fp32 engine is the reference up to rounding: the same agreement against it
+        assert result.blocks[f"{name}_vs_fp32"]["top1_agreement"] == want
+
+
+# --- the study's configs ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [None, "config/tiny/timm_xcit.yaml", "config/realsize/timm_xcit.yaml"])
+def test_the_studys_sample_sets_are_disjoint_and_fit_the_dataset(overrides):
+    """Same seed, non-overlapping offset ranges (disjoint by draw_samples' rule); a generated dataset
+    has a row for every sample."""
+    study = config.load_study("config/studies/timm_xcit.yaml", overrides)
+    sets = study.raw["samples"]
+    assert {s["seed"] for s in sets.values()} == {0} and {s["dataset"] for s in sets.values()} == {"imagenet"}
+    ranges = sorted((s.get("offset", 0), s.get("offset", 0) + s["count"]) for s in sets.values())
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:]))
+    tiny = study.datasets["imagenet"].tiny
+    if tiny:
+        assert ranges[-1][1] <= tiny["rows"]
+    assert {n: s["count"] for n, s in sets.items()} == (
+        {"calibration": 24, "heldout": 16, "extra_heldout": 24} if overrides and "tiny" in overrides else
+        {"calibration": 500, "heldout": 500, "extra_heldout": 1500})

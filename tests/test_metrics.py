@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from quantstudy import metrics as qm
@@ -52,3 +53,33 @@ def test_spearman_of_a_monotone_and_a_reversed_ranking():
     assert abs(qm.sts_spearman(first, second, [4, 3, 2, 1]) - 1.0) < 1e-12
     assert abs(qm.sts_spearman(first, second, [1, 2, 3, 4]) + 1.0) < 1e-12
     assert qm.sts_spearman(first, torch.full((4, 2), math.nan), [1, 2, 3, 4]) is None
+
+
+# --- image classifiers ---------------------------------------------------------------------------
+
+def test_top1_agreement_by_hand_and_a_nan_row_disagrees():
+    ref = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    # row 0: same top class (other values); row 1: another class; row 2: same; row 3: NaN, whose
+    # argmax would be any class (torch picks the NaN's index, here 0, the reference's class).
+    eng = torch.tensor([[5.0, 1.0, 2.0], [0.0, 0.0, 1.0], [0.0, -1.0, 3.0], [math.nan, 0.0, 0.0]])
+    assert qm.top1_agreement(ref, eng) == {"top1_agreement": 0.5, "rows": 4, "disagree": 2}
+    assert qm.top1_agreement(ref, ref.clone())["top1_agreement"] == 1.0
+
+
+def test_top1_agreement_refuses_logits_of_another_shape():
+    with pytest.raises(ValueError, match="differ in shape"):
+        qm.top1_agreement(torch.zeros(3, 10), torch.zeros(3, 11))
+
+
+def test_top1_accuracy_by_hand():
+    logits = torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7], [math.inf, 0.0]])
+    labels = torch.tensor([1, 1, 1, 0])  # right, wrong, right, non-finite (wrong)
+    assert qm.top1_accuracy(logits, labels) == 0.5
+    assert qm.top1_accuracy(torch.zeros(0, 2), torch.zeros(0, dtype=torch.int64)) is None
+
+
+def test_nonfinite_rows_counts_nan_and_inf_rows_once():
+    x = torch.zeros(5, 2, 3)
+    x[1, 0, 0], x[3, 1, 2], x[3, 0, 1] = math.nan, math.inf, -math.inf
+    assert qm.nonfinite_rows(x) == 2
+    assert qm.nonfinite_rows(torch.ones(4, 7)) == 0

@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import random
 import re
 import tarfile
@@ -49,6 +50,8 @@ from torch.profiler import record_function
 
 from quantstudy.families import base, register
 
+log = logging.getLogger("quantstudy")
+
 # Kernel groups: the recipe's FP8 GEMMs, the GEMMs that stay fp16 (one-token GEMVs, head,
 # layers a variant leaves out), the attention cores (channel attention: l2-normalized q, k,
 # temperature, softmax over channels; class attention), the convolutions (stem, positional
@@ -56,10 +59,10 @@ from quantstudy.families import base, register
 KERNEL_GROUPS = ["FP8 GEMMs", "fp16 GEMMs", "attention", "convolutions", "other"]
 ATTENTION_REGION, CONV_REGION = "xcit.attention", "xcit.convolutions"
 REGIONS = {ATTENTION_REGION: "attention", CONV_REGION: "convolutions"}
-UNIMPLEMENTED = "timm_xcit: the study's metrics come with its study (issue 9)"
 IMAGE_SIZE = 224  # every study checkpoint's pretrained_cfg input_size (fixed_input_size)
 IMAGE_EXTENSIONS = ("webp", "png", "jpg", "jpeg")  # what clip_benchmark reads from a wds shard
 CALIBRATION_BATCH = 16  # images per calibration forward; max calibration does not depend on it
+EVAL_CHUNK = 64  # images decoded and run at a time: 1,500 images at 224 px are 900 MB as pixels
 CONV_OPS = re.compile(r"conv(\dd|olution|_depthwise)")  # aten::conv2d, aten::mkldnn_convolution, ...
 
 # Photographs that scikit-image ships (skimage.data, no download): the tiny dataset's images.
@@ -140,9 +143,10 @@ def _create(cfg: dict[str, Any]) -> nn.Module:
                              global_pool=cfg.get("global_pool", "token"), **cfg.get("model_args", {}))
 
 
-def _jittered(photo, rng: random.Random):
+def _jittered(photo, rng: random.Random, short_side: tuple[int, int] = (160, 320)):
     """A seeded random crop (35% to 100% of the area, aspect 3:4 to 4:3), maybe mirrored, resized
-    to a shorter side of 160 to 320 px: different views of one photograph, of ImageNet-like sizes."""
+    to a shorter side in `short_side` (default 160 to 320 px): different views of one photograph,
+    of ImageNet-like sizes."""
     from PIL import Image
 
     w, h = photo.size
@@ -153,7 +157,7 @@ def _jittered(photo, rng: random.Random):
     view = photo.crop((left, top, left + cw, top + ch))
     if rng.random() < 0.5:
         view = view.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    short = rng.randint(160, 320)
+    short = rng.randint(*short_side)
     scale = short / min(cw, ch)
     return view.resize((max(1, round(cw * scale)), max(1, round(ch * scale))), Image.Resampling.BICUBIC)
 
@@ -211,6 +215,25 @@ def load_images(samples: list[dict[str, Any]]) -> list:
 def pixel_values(transform, images: list) -> torch.Tensor:
     """[n, 3, H, W] float32: the checkpoint's eval transform (`processor`) of each image."""
     return torch.stack([transform(img) for img in images])
+
+
+def _whole_batches(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """`x` padded with copies of its first rows to a multiple of `batch` rows: a static engine takes
+    one batch size. The caller cuts the padding's outputs off."""
+    pad = -len(x) % batch
+    return torch.cat([x, x[torch.arange(pad) % len(x)]]) if pad else x
+
+
+def _logits(run, transform, samples: list[dict[str, Any]], batch: int, what: str) -> torch.Tensor:
+    """[images, classes] float32 logits of `run` (an engine, or the reference as one) on the samples'
+    images, decoded and transformed about EVAL_CHUNK at a time, in whole batches of `batch`."""
+    chunk, outs = batch * -(-EVAL_CHUNK // batch), []
+    for i in range(0, len(samples), chunk):
+        x = pixel_values(transform, load_images(samples[i:i + chunk]))
+        with torch.no_grad():
+            out = run({"pixel_values": _whole_batches(x, batch)}, f"{what} {i + len(x)}/{len(samples)}")
+        outs.append(out["logits"][:len(x)].float().cpu())
+    return torch.cat(outs)
 
 
 @register("timm_xcit")
@@ -419,8 +442,11 @@ class TimmXcit:
         Each split's pattern names its shards (`test/*.tar` -> test/0.tar, test/1.tar, ...). A
         sample is `<key>.webp` (a jittered crop of one photograph) and `<key>.cls` (the photo's
         index modulo the model's classes), keys s0000000, s0000001, ... as in wds_imagenet1k.
+        `short_side: [lo, hi]` makes the views smaller than ImageNet's 160 to 320 px (a dataset of
+        thousands of rows that must stay a few MiB); the eval transform resizes them to 224 anyway.
         """
         rows, shards = tiny.get("rows", 40), tiny.get("shards", 2)
+        short_side = tuple(tiny.get("short_side", (160, 320)))
         classes = architecture["num_classes"]
         photos = [_photo(name) for name in PHOTOS]
         out, key = {}, 0
@@ -432,7 +458,7 @@ class TimmXcit:
                 for _ in range(min(per_shard, rows - shard * per_shard)):
                     p = rng.randrange(len(photos))
                     buf = io.BytesIO()
-                    _jittered(photos[p], rng).save(buf, format="WEBP", quality=90)
+                    _jittered(photos[p], rng, short_side).save(buf, format="WEBP", quality=90)
                     members[f"s{key:07d}.webp"] = buf.getvalue()
                     members[f"s{key:07d}.cls"] = str(p % classes).encode()
                     key += 1
@@ -440,11 +466,52 @@ class TimmXcit:
         return out
 
     # --- measurements --------------------------------------------------------------------
-    def reference(self, checkpoint, samples, setting, metrics, seeds, device, dtype):
-        raise NotImplementedError(UNIMPLEMENTED)
+    def reference(self, checkpoint: str | Path, samples: dict[str, list[dict[str, Any]]], setting: base.Setting,
+                  metrics: dict[str, Any], seeds: dict[str, int], device: str, dtype: Any = torch.float32):
+        """The timm model's logits (in `dtype`, fp32 for this study) on each evaluation set, with the
+        sets' labels, and its own top-1 accuracy per set.
 
-    def evaluate(self, checkpoint, run, reference, samples, setting, metrics, seeds, device, against):
-        raise NotImplementedError(UNIMPLEMENTED)
+        Tensors: `<set>_logits` [images, classes] float32 and `<set>_labels` [images] int64, for
+        every set the study's evaluation_samples name (the held-out and extra held-out images).
+        """
+        from quantstudy import metrics as qm
+
+        model, transform = self.load_reference(checkpoint, dtype).to(device), self.processor(checkpoint)
+        forward = lambda x, what="": {"logits": model(x["pixel_values"].to(device, dtype))}
+        tensors, blocks = {}, {}
+        for name, rows in samples.items():
+            logits = _logits(forward, transform, rows, 1, name)
+            labels = torch.tensor([s["label"] for s in rows], dtype=torch.int64)
+            log.info("reference on %s: %d images", name, len(rows))
+            tensors[f"{name}_logits"], tensors[f"{name}_labels"] = logits, labels
+            blocks[name] = {"top1_accuracy": qm.top1_accuracy(logits, labels), "images": len(rows)}
+        return tensors, blocks
+
+    def evaluate(self, checkpoint: str | Path, run: base.Run, reference: dict[str, torch.Tensor],
+                 samples: dict[str, list[dict[str, Any]]], setting: base.Setting, metrics: dict[str, Any],
+                 seeds: dict[str, int], device: str, against: Any = None) -> base.Evaluation:
+        """Top-1 agreement of the engine with the fp32 reference and top-1 accuracy against the labels,
+        per evaluation set; the non-finite scan over those sets and `metrics.stress_inputs` stress
+        images. Against another variant's engine (`quality_against`): top-1 agreement with it, per set.
+        """
+        from quantstudy import metrics as qm
+
+        transform, batch = self.processor(checkpoint), setting.batch
+        blocks, nonfinite = {}, {}
+        for name, rows in samples.items():
+            logits = _logits(run, transform, rows, batch, name)
+            ref = reference[f"{name}_logits"]
+            blocks[name] = {**qm.top1_agreement(ref, logits),
+                            "top1_accuracy": qm.top1_accuracy(logits, reference[f"{name}_labels"])}
+            nonfinite[name] = {"bad": qm.nonfinite_rows(logits), "of": logits.shape[0]}
+            for other_name, other in (against or {}).items():
+                theirs = _logits(other, transform, rows, batch, f"{name} on {other_name}")
+                blocks[f"{name}_vs_{other_name}"] = qm.top1_agreement(theirs, logits)
+        stress = self.stress_inputs(metrics["stress_inputs"], seeds.get("stress", 0))
+        x = pixel_values(transform, stress["images"])
+        out = run({"pixel_values": _whole_batches(x, batch)}, "stress inputs")["logits"][:len(x)].float()
+        nonfinite["stress"] = {"bad": qm.nonfinite_rows(out), "of": out.shape[0], "kinds": sorted(set(stress["kinds"]))}
+        return base.Evaluation(blocks, nonfinite)
 
     @staticmethod
     def kernel_group(region: str | None, name: str, device: str, op: dict[str, Any] | None,

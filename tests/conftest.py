@@ -120,3 +120,22 @@ def pytest_terminal_summary(terminalreporter):
     for f in families:
         outcome = {b: sorted({o for ff, bb, o in results if ff == f and bb == b}) for b in backends}
         terminalreporter.line(f"{f:18s} " + "  ".join(f"{b}: {'/'.join(outcome[b]) or '-'}" for b in backends))
+
+
+def stand_in_lock(path: Path, run_configs: list[str]) -> list[str]:
+    """A lock file at `path` with a STAND-IN commit for every revision these run configs leave to the
+    lock step (the hub that would resolve them cannot be reached here): each begins with the short
+    hash asked for and is otherwise the sha1 of its key. For tests of what a locked run does; the
+    commits name nothing on the hub. Returns the keys."""
+    import hashlib
+
+    from quantstudy import lock
+
+    entries = {}
+    for req in lock.requests_of(run_configs):
+        digest = hashlib.sha1(req.key.encode()).hexdigest()
+        commit = (req.requested or "") + digest[len(req.requested or ""):]
+        entries[req.key] = {"type": req.repo_type, "repo": req.repo, "requested": req.requested, "commit": commit,
+                            "how": "stand-in for a test"}
+    lock.write(entries, path)
+    return sorted(entries)

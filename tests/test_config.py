@@ -24,12 +24,32 @@ def load(doc: dict, tmp_path) -> qc.Study:
     return qc.load_study(path)
 
 
-def test_embedded_default_and_cluster_configs_load():
-    for name in ("config.yaml", "b200.yaml", "b300.yaml"):
-        path = ROOT / "config" / name
-        if path.exists():
-            run = qc.load_run(yaml.safe_load(path.read_text()))
-            assert "fnet" in run.studies
+def test_embedded_default_needs_no_lock():
+    run = qc.load_run(yaml.safe_load((ROOT / "config/config.yaml").read_text()))
+    assert {"fnet", "timm_xcit"} <= set(run.studies)
+
+
+@pytest.mark.parametrize("name", ["b200.yaml", "b300.yaml", "h200.yaml"])
+def test_cluster_configs_load_once_their_revisions_are_locked(name, tmp_path, monkeypatch):
+    """The write-ups leave some revisions unpinned: until the lock step has resolved them a cluster
+    config stops, naming each; with them in the lock it loads, every revision a full commit."""
+    from quantstudy import lock
+
+    from conftest import stand_in_lock
+
+    run_doc = yaml.safe_load((ROOT / "config" / name).read_text())
+    monkeypatch.setattr(lock, "LOCK_FILE", tmp_path / "revisions.lock.yaml")
+    keys = stand_in_lock(lock.LOCK_FILE, [f"config/{name}"])
+    run = qc.load_run(run_doc)
+    assert "fnet" in run.studies
+    pinned = [m.revision for s in run.studies.values() for m in s.models.values()]
+    pinned += [d.revision for s in run.studies.values() for d in s.datasets.values()]
+    assert all(lock.FULL.match(r) for r in pinned)
+    if keys:
+        lock.write({}, lock.LOCK_FILE)
+        with pytest.raises(qc.ConfigError, match="unresolved revisions") as e:
+            qc.load_run(run_doc)
+        assert "python -m quantstudy.lock" in str(e.value)
 
 
 def test_real_study_names_the_write_up_revisions():

@@ -25,6 +25,7 @@ from pprint import pformat
 import pytest
 import yaml
 
+from conftest import stand_in_lock
 from quantstudy.devtools import copy_checkout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,8 +207,17 @@ def test_profile_dry_run_from_root(name, tmp_path):
         pytest.skip(f"{profile['configfile']} is not in the repository yet")
     repo = copy_repo(tmp_path)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    r = subprocess.run([sys.executable, "-m", "snakemake", "--profile", name, "-n"], cwd=repo,
-                       env=env, capture_output=True, text=True, timeout=600)
+    dry_run = lambda: subprocess.run([sys.executable, "-m", "snakemake", "--profile", name, "-n"], cwd=repo,
+                                     env=env, capture_output=True, text=True, timeout=600)
+    # Revisions the write-ups leave unpinned stop the run until the lock step has resolved them;
+    # then (stand-in commits: no hub here) the DAG is planned.
+    keys = stand_in_lock(repo / "config/revisions.lock.yaml", [str(repo / profile["configfile"])])
+    if keys:
+        (repo / "config/revisions.lock.yaml").unlink()
+        r = dry_run()
+        assert r.returncode != 0 and "unresolved revisions" in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+        stand_in_lock(repo / "config/revisions.lock.yaml", [str(repo / profile["configfile"])])
+    r = dry_run()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = r.stdout + r.stderr
     stats = job_stats(text)

@@ -30,22 +30,28 @@ machine() {
 'snakemake', snakemake.__version__, 'modelopt', modelopt.__version__, torch.cuda.get_device_name(),
 torch.cuda.get_device_capability())"; lscpu | head -20; free -g; } > $ev/machine.txt 2>&1
 }
-targets="results/deberta_v2/README.md results/deberta_v2/audit.json results/timm_xcit/README.md results/timm_xcit/audit.json"
+# STUDIES (default: both) names the studies of this call: one study's passes fit one device call.
+studies=${STUDIES:-"timm_xcit deberta_v2"}
 sm="python3 -m snakemake --configfile config/h200.yaml --cores 16 --keep-going --rerun-incomplete"
 # 1: everything but the measurements (parallel, the GPU shared). 2: timing and profiles, each
 # measurement holding the GPU alone (quantstudy.timing.device_lock), then aggregate, render, audit.
-pass1() { $sm --omit-from time profile $targets >> $ev/snakemake-1.txt 2>&1; }
-pass2() { $sm --cores 10 $targets >> $ev/snakemake-2.txt 2>&1; }
+pass1() { $sm --omit-from time profile results/$1/README.md results/$1/audit.json >> $ev/snakemake-$1-1.txt 2>&1; }
+pass2() { $sm --cores 10 results/$1/README.md results/$1/audit.json >> $ev/snakemake-$1-2.txt 2>&1; }
 # The GPU tests of the two families and of the torch backend, a GPU test that would skip failing.
 gputests() {
   QUANTSTUDY_REQUIRE_GPU=1 python3 -m pytest tests/test_gpu.py tests/test_jobserver.py tests/test_family_deberta_v2.py \
     tests/test_family_timm_xcit.py -q -rs -p no:cacheprovider -p no:warnings > $ev/pytest.txt 2>&1
   echo "pytest exit status $?" >> $ev/pytest.txt
 }
-export ev sm targets && export -f machine pass1 pass2 gputests
+export ev sm && export -f machine pass1 pass2 gputests
 python3 -m snakemake --unlock --configfile config/h200.yaml > /dev/null 2>&1
-stage machine machine && stage pass1 pass1 && stage pass2 pass2 && stage gputests gputests && log "all stages done"
-find results/deberta_v2 results/timm_xcit logs/deberta_v2 logs/timm_xcit benchmarks/deberta_v2 benchmarks/timm_xcit \
+ok=1
+stage machine machine || ok=0
+for st in $studies; do
+  [ $ok = 1 ] && stage pass1-$st pass1 $st && stage pass2-$st pass2 $st || ok=0
+done
+[ $ok = 1 ] && stage gputests gputests && log "all stages done"
+find $(for st in $studies; do echo results/$st logs/$st benchmarks/$st; done) \
   \( -name '*.json' -o -name '*.md' -o -name '*.log' -o -name '*.tsv' \) ! -path '*/data/*' 2>/dev/null |
   tar czf $OUT/evidence.tar.gz -T - $ev
 ls -la $OUT

@@ -449,7 +449,9 @@ class DebertaV2:
             "features": qm.token_relative_error(_unpack(reference["heldout_features"], masks["heldout"]),
                                                 out["heldout"], masks["heldout"]),
             "one_token": qm.token_cosine(_unpack(reference["one_token_features"], masks["one_token"]),
-                                         out["one_token"], masks["one_token"])}
+                                         out["one_token"], masks["one_token"]),
+            # A fact of the row, so that a decision condition can select the head checkpoints' rows.
+            "checkpoint": {"classification_head": "mnli_logits" in reference}}
         if "mnli_logits" in reference:
             head = self.head(checkpoint)
             if head is None:

@@ -310,6 +310,11 @@ def test_torch_profile_groups(base):
         assert result["groups_ms"].get(group, 0) > 0, group
     gemms = [k for k in result["top_kernels"] if k["group"] == "projection GEMMs"]
     assert gemms, "the positional products run as work-precision GEMMs"
+    # Ops per call: one softmax per layer, and the two positional products (query_proj, key_proj on
+    # the relative embeddings) of each of the two layers as work-precision GEMMs.
+    counts = result["groups_count"]
+    assert counts["softmax"] == 2 and counts["projection GEMMs"] == 4
+    assert counts["attention matmuls"] == 8  # QK^T, c2p, p2c and PV of each layer
 
 
 def _rows():

@@ -196,7 +196,7 @@ def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], region
     if calls < 1:
         raise ValueError(f"a kernel profile needs at least one call, not {calls}")
     groups: dict[str, float] = defaultdict(float)
-    counts: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)  # over all calls, divided at the end
     group_of: dict[int, str] = {}  # CPU op (id) -> its group
     kernels: dict[tuple[str, str], float] = defaultdict(float)
     launched_by: dict[str, str] = {}
@@ -211,12 +211,12 @@ def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], region
         if device == "cpu":
             group_of[id(op)] = group
         counted = op is not None and (device == "cuda" or group_of.get(id(op.cpu_parent)) != group)
-        counts[group] += 1 / calls if counted else 0
+        counts[group] += counted
         kernels[(group, name)] += ms
         if device == "cuda" and info:
             launched_by[name] = info["name"]
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
-    return {"groups_ms": dict(groups), "groups_count": dict(counts), "total_ms": sum(groups.values()),
+    return {"groups_ms": dict(groups), "groups_count": {g: n / calls for g, n in counts.items()}, "total_ms": sum(groups.values()),
             "profiled": "forward, kernel by kernel (no graph replay)" if _on_cuda(runner) else "forward",
             "top_kernels": [{"group": g, "name": n, "ms": ms, "op": launched_by.get(n)} for (g, n), ms in top]}
 

@@ -456,6 +456,7 @@ class DebertaV2:
             head = self.head(checkpoint)
             if head is None:
                 raise ValueError("the reference has MNLI logits, but the checkpoint has no classification head")
+            head[0].to(device)  # the pooler and classifier where the features go (the GPU on a GPU target)
             with torch.no_grad():
                 logits = head[1](out["mnli"].to(device)).cpu()
             blocks["mnli"] = qm.head_agreement(reference["mnli_logits"], logits, reference["mnli_gold"].long(),

@@ -100,7 +100,8 @@ def _build(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
 
 def _kernels(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
     for graph, g in doc["graphs"].items():
-        yield {"graph": graph, "groups_ms": g["groups_ms"], "total_ms": g["total_ms"]}
+        yield {"graph": graph, "groups_ms": g["groups_ms"], "groups_count": g.get("groups_count"),
+               "total_ms": g["total_ms"]}
 
 
 def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:

@@ -241,6 +241,12 @@ def tiny_dataset_spec(dataset: Dataset) -> dict[str, Any]:
     return {"files": dataset.files, "tiny": dataset.tiny}
 
 
+def calibration_sample_sets(recipe: dict[str, Any]) -> list[str]:
+    """The sample sets a recipe calibrates on, in order: `activation_calibration.samples` names one or a list."""
+    names = recipe["activation_calibration"]["samples"]
+    return [names] if isinstance(names, str) else list(names)
+
+
 def _path(p: str | Path) -> Path:
     """Config paths are relative to the workflow's root, wherever Snakemake runs."""
     p = Path(p)
@@ -341,7 +347,7 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
             problems.append(f"samples {name!r} name unknown dataset {s['dataset']!r}")
         elif s["split"] not in datasets[s["dataset"]].files:
             problems.append(f"samples {name!r}: dataset {s['dataset']!r} has no split {s['split']!r}")
-    for role, name in [("recipe.activation_calibration.samples", doc["recipe"]["activation_calibration"]["samples"]),
+    for role, name in [*[("recipe.activation_calibration.samples", n) for n in calibration_sample_sets(doc["recipe"])],
                        *[("evaluation_samples", n) for n in doc["evaluation_samples"]]]:
         if name not in doc["samples"]:
             problems.append(f"{role} names {name!r}, no entry of samples; samples: {', '.join(doc['samples'])}")

@@ -79,6 +79,27 @@ def sentence_pairs(count: int, seed: int, vocab: list[str]) -> list[dict[str, An
     return rows
 
 
+# The order of GLUE MNLI's labels.
+NLI_LABELS = ["entailment", "neutral", "contradiction"]
+
+
+def nli_pairs(count: int, seed: int, vocab: list[str]) -> list[dict[str, Any]]:
+    """Premise / hypothesis pairs with MNLI's labels: an entailed hypothesis keeps most of the premise's
+    words, a neutral one half, a contradicting one few."""
+    rng = random.Random(seed)
+    content = vocab[2:]
+    keep = {0: 0.9, 1: 0.5, 2: 0.1}
+    rows = []
+    for i in range(count):
+        premise = _sentence(rng, content) + _sentence(rng, content)
+        label = rng.randrange(3)
+        hypothesis = [w for w in premise[:rng.randint(4, len(premise))] if w == "." or rng.random() < keep[label]]
+        hypothesis = hypothesis or [rng.choice(content)]
+        hypothesis += [] if hypothesis[-1] == "." else ["."]
+        rows.append({"premise": " ".join(premise), "hypothesis": " ".join(hypothesis), "label": label, "idx": i})
+    return rows
+
+
 def dataset_files(files: dict[str, str], tiny: dict[str, Any], vocab_size: int) -> dict[str, bytes]:
     """One file per split, at the path the split's pattern names (a glob's * becomes 00000-of-00001)."""
     vocab = words(vocab_size - len(SPECIAL_TOKENS))
@@ -87,6 +108,8 @@ def dataset_files(files: dict[str, str], tiny: dict[str, Any], vocab_size: int) 
         seed = tiny["seed"] * 1000 + i
         if tiny["kind"] == "passages":
             frame = pd.DataFrame({"text": passages(tiny.get("rows", 200), seed, vocab)})
+        elif tiny["kind"] == "nli_pairs":
+            frame = pd.DataFrame(nli_pairs(tiny.get("rows", 80), seed, vocab))
         else:
             frame = pd.DataFrame(sentence_pairs(tiny.get("rows", 80), seed, vocab))
         path = pattern.replace("*", "-00000-of-00001")

@@ -89,3 +89,73 @@ def top1_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float | None:
         return None
     right = (logits.argmax(-1) == labels.to(logits.device)) & finite_rows(logits)
     return float(right.double().mean())
+
+# --- token-feature encoders with a classification head check (DeBERTa study) -----------------
+
+def token_relative_error(ref: torch.Tensor, eng: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+    """Token feature relative error of each text over its real tokens, summarized over the texts.
+
+    For text i with real-token rows T_i (mask 1; padding left out), e_i = ||E_i - R_i||_F / ||R_i||_F,
+    with E the engine's and R the reference's features [rows, tokens, hidden], in float64. Reports
+    the mean and max of e_i over the texts whose engine features are all finite there; the others
+    are counted (`nonfinite_texts`) and left out, as the non-finite scan reports them.
+    """
+    real = mask.bool()
+    errors, bad = [], 0
+    for r, e, m in zip(ref, eng, real):
+        r, e = r[m].double(), e[m].double()
+        if not torch.isfinite(e).all():
+            bad += 1
+            continue
+        errors.append(float((e - r).norm() / r.norm()))
+    if not errors:
+        return {"mean": None, "max": None, "texts": 0, "nonfinite_texts": bad}
+    return {"mean": sum(errors) / len(errors), "max": max(errors), "texts": len(errors), "nonfinite_texts": bad}
+
+
+def label_map(id2label: dict[Any, str], label_names: list[str]) -> list[int]:
+    """A head's class index -> the dataset's label index, matched by name (case-insensitive), so a
+    checkpoint that orders its classes differently from the dataset is scored right."""
+    names = [n.lower() for n in label_names]
+    heads = {int(i): str(n).lower() for i, n in id2label.items()}
+    missing = sorted(n for n in heads.values() if n not in names)
+    if missing or sorted(heads) != list(range(len(heads))):
+        raise ValueError(f"the head's labels {sorted(heads.values())} are not the dataset's {label_names}")
+    return [names.index(heads[i]) for i in range(len(heads))]
+
+
+def head_agreement(ref_logits: torch.Tensor, eng_logits: torch.Tensor, gold: torch.Tensor,
+                   to_label: list[int]) -> dict[str, Any]:
+    """Agreement of the head's top class on the engine's features with the PyTorch fp32 model's, and
+    the accuracy difference against the gold labels in points (engine - PyTorch).
+
+    Head classes are mapped to dataset labels through `to_label` (label_map). A pair whose engine
+    logits are not all finite disagrees and is wrong (counted in `nonfinite_pairs`).
+    """
+    mapping = torch.tensor(to_label)
+    ok = finite_rows(eng_logits)
+    ref_pred = mapping[ref_logits.argmax(-1)]
+    eng_pred = torch.where(ok, mapping[torch.nan_to_num(eng_logits).argmax(-1)], torch.full_like(ref_pred, -1))
+    ref_acc, eng_acc = float((ref_pred == gold).double().mean()), float((eng_pred == gold).double().mean())
+    return {"agreement": float((eng_pred == ref_pred).double().mean()), "accuracy": eng_acc,
+            "reference_accuracy": ref_acc, "accuracy_diff_points": 100 * (eng_acc - ref_acc),
+            "pairs": int(gold.numel()), "nonfinite_pairs": int((~ok).sum())}
+
+
+def token_cosine(ref: torch.Tensor, eng: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+    """Cosine of engine and reference features per real token (mask 1), min and mean over all of
+    them; a token with non-finite engine features counts as cosine -1 (the worst), and is counted."""
+    real = mask.bool()
+    r, e = ref[real].double(), eng[real].double()
+    ok = torch.isfinite(e).all(-1)
+    cos = torch.where(ok, F.cosine_similarity(r, torch.nan_to_num(e), dim=-1), torch.full((len(r),), -1.0,
+                                                                                           dtype=torch.float64))
+    return {"min": float(cos.min()), "mean": float(cos.mean()), "tokens": int(len(cos)),
+            "nonfinite_tokens": int((~ok).sum())}
+
+
+def real_rows_finite(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mask of rows whose real tokens (mask 1) are all finite: what a user of the features reads
+    (padded positions are masked out of attention and never read)."""
+    real = mask.bool().unsqueeze(-1).expand_as(x) if x.dim() == mask.dim() + 1 else mask.bool()
+    return (torch.isfinite(x) | ~real).flatten(1).all(dim=1)

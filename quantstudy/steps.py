@@ -196,9 +196,10 @@ def reference(family: str, model: str, setting: dict[str, Any], metrics: dict[st
 
 
 def calibrate(family: str, model: str, setting: dict[str, Any], architecture: dict[str, Any], recipe: dict[str, Any],
-              checkpoint_json: str, samples_json: str, out: str) -> None:
+              checkpoint_json: str, samples_json: str | list[str], out: str) -> None:
     """Static activation amax per linear layer from ModelOpt max calibration at this setting's shape,
-    on the family's calibration batches through its first graph."""
+    on the family's calibration batches through its first graph. Several sample files (a recipe's
+    list of sample sets) are calibrated on as one list, in order."""
     from quantstudy import quantization
 
     started = now()
@@ -207,7 +208,8 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
     device = _device()
     graph = next(iter(fam.graphs(st, architecture)))
     module = fam.module(ckpt, graph, st).to(device)
-    samples = read_json(samples_json, "samples")["samples"]
+    paths = [samples_json] if isinstance(samples_json, (str, Path)) else list(samples_json)
+    samples = [s for p in paths for s in read_json(p, "samples")["samples"]]
     batches = [{k: v.to(device) for k, v in b.items()} for b in fam.calibration_batches(ckpt, samples, st)]
     log.info("calibrating %s (%s, graph %s) on %d samples (%d batches)", model, st.name, graph, len(samples),
              len(batches))
@@ -219,7 +221,9 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
         "model": model, "setting": st.name, "shape": dict(st.shape), "graph": graph, "device": device, "amax": amax,
         "recipe_layers": layers, "outliers": report,
         "calibration": {"config": recipe["activation_calibration"], "samples": len(samples), "batches": len(batches)},
-        "provenance": provenance("calibrate", {"checkpoint": checkpoint_json, "samples": samples_json},
+        "provenance": provenance("calibrate", {"checkpoint": checkpoint_json,
+                                               **{f"samples[{i}]" if len(paths) > 1 else "samples": p
+                                                  for i, p in enumerate(paths)}},
                                  {"setting": setting, "recipe": recipe}, started)})
 
 

@@ -184,7 +184,8 @@ def _region(op: Any, regions: set[str]) -> str | None:
 
 
 def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
-    """Self time per kernel group (ms per call), with the top kernels of each group.
+    """Self time per kernel group (ms per call) and how many ops or kernels ran in it per call,
+    with the top kernels of each group.
 
     `classify(region, name, device, op)` names the group of a CPU op or a CUDA kernel: `region` is
     the innermost annotated region (record_function) around the op that ran or launched it,
@@ -195,6 +196,8 @@ def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], region
     if calls < 1:
         raise ValueError(f"a kernel profile needs at least one call, not {calls}")
     groups: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)  # over all calls, divided at the end
+    group_of: dict[int, str] = {}  # CPU op (id) -> its group
     kernels: dict[tuple[str, str], float] = defaultdict(float)
     launched_by: dict[str, str] = {}
     for device, name, ms, op in _profiled(runner, calls):
@@ -203,11 +206,17 @@ def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], region
         info = _op_info(op)
         group = classify(_region(op, regions), name, device, info)
         groups[group] += ms
+        # A kernel launch, or a CPU op not called by an op of its own group (aten::linear and the
+        # addmm it calls are one GEMM); device time that no op claims comes summed by name, uncounted.
+        if device == "cpu":
+            group_of[id(op)] = group
+        counted = op is not None and (device == "cuda" or group_of.get(id(op.cpu_parent)) != group)
+        counts[group] += counted
         kernels[(group, name)] += ms
         if device == "cuda" and info:
             launched_by[name] = info["name"]
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
-    return {"groups_ms": dict(groups), "total_ms": sum(groups.values()),
+    return {"groups_ms": dict(groups), "groups_count": {g: n / calls for g, n in counts.items()}, "total_ms": sum(groups.values()),
             "profiled": "forward, kernel by kernel (no graph replay)" if _on_cuda(runner) else "forward",
             "top_kernels": [{"group": g, "name": n, "ms": ms, "op": launched_by.get(n)} for (g, n), ms in top]}
 

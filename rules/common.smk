@@ -3,7 +3,7 @@ import sys
 
 sys.path.insert(0, workflow.basedir)  # the study package lives beside the Snakefile
 
-from quantstudy.config import load_run
+from quantstudy.config import calibration_sample_sets, load_run
 
 # Raises ConfigError, a readable sentence, before any job runs. A cluster job re-reads this
 # file twice (sbatch step, then srun step); the checks against the code import torch and cost
@@ -66,7 +66,7 @@ def evaluation_samples(w):
 
 
 def calibration_samples(w):
-    return samples_json(w, study(w).recipe["activation_calibration"]["samples"])
+    return [samples_json(w, name) for name in calibration_sample_sets(study(w).recipe)]
 
 
 def first_model_checkpoint(w):

@@ -2,4 +2,4 @@
 from quantstudy.jobserver import run
 
 run("quantstudy.steps:calibrate", snakemake.log[0], checkpoint_json=str(snakemake.input.checkpoint),
-    samples_json=str(snakemake.input.samples), out=str(snakemake.output.amax), **snakemake.params)
+    samples_json=[str(p) for p in snakemake.input.samples], out=str(snakemake.output.amax), **snakemake.params)

@@ -9,6 +9,7 @@ relative position embeddings (the call site `relative_positions`) stay in the wo
 from __future__ import annotations
 
 import collections
+import math
 
 import pytest
 import torch
@@ -46,7 +47,7 @@ SETTING = Setting("b2-w24", 2, {"window": 24})
 def checkpoints(tmp_path_factory):
     """The tiny checkpoints written as files, loaded like real ones."""
     out = {}
-    for arch, seed in (("tiny-deberta-v3-base", 0), ("tiny-deberta-v3-large", 1)):
+    for arch, seed in (("tiny-deberta-v3-base", 0), ("tiny-deberta-v3-large", 1), ("tiny-deberta-v3-base-mnli", 2)):
         folder = tmp_path_factory.mktemp(arch)
         for name, data in FAMILY.tiny_checkpoint_files(config.load_architecture(arch), {"seed": seed}).items():
             (folder / name).write_bytes(data)
@@ -302,13 +303,18 @@ def test_torch_profile_groups(base):
     the positional products as fp16 projection GEMMs, attention matmuls and softmax."""
     model, _ = _variant(base, "fp8")
     runner = torch_backend.Runner(model, base["inputs"], "cpu")
-    result = timing.kernel_profile(runner, 2, lambda *a: FAMILY.kernel_group(*a, setting=SETTING),
+    result = timing.kernel_profile(runner, 3, lambda *a: FAMILY.kernel_group(*a, setting=SETTING),
                                    set(FAMILY.regions) | {quantization.FP8_REGION})
     assert set(result["groups_ms"]) <= set(FAMILY.kernel_groups)
     for group in ("FP8 projection GEMMs", "projection GEMMs", "attention matmuls", "softmax", "pointwise"):
         assert result["groups_ms"].get(group, 0) > 0, group
     gemms = [k for k in result["top_kernels"] if k["group"] == "projection GEMMs"]
     assert gemms, "the positional products run as work-precision GEMMs"
+    # Ops per call: one softmax per layer, and the two positional products (query_proj, key_proj on
+    # the relative embeddings) of each of the two layers as work-precision GEMMs.
+    counts = result["groups_count"]
+    assert counts["softmax"] == 2 and counts["projection GEMMs"] == 4
+    assert counts["attention matmuls"] == 8  # QK^T, c2p, p2c and PV of each layer
 
 
 def _rows():
@@ -379,5 +385,120 @@ def test_settings_and_graphs():
     assert {k: (v.dtype, v.shape, dict(v.dynamic)) for k, v in graph.inputs.items()} == {
         "input_ids": ("int64", (32, 256), {}), "attention_mask": ("int64", (32, 256), {})}
     assert graph.outputs == ("features",)
-    with pytest.raises(NotImplementedError, match="issue 9"):
-        FAMILY.reference("x", {}, SETTING, {}, {}, "cpu")
+
+
+# --- reference and evaluate -------------------------------------------------------------------
+
+METRICS = {"mnli_labels": ["entailment", "neutral", "contradiction"], "one_token_inputs": 5, "stress_inputs": 4}
+SEEDS = {"one_token": 0, "stress": 0}
+EVAL_SETTING = Setting("w32", 1, {"window": 32})
+
+
+def _tiny_data(files: dict, kind: str, rows: int):
+    """A split of the family's tiny dataset files, read as the workflow reads it (parquet)."""
+    import io
+
+    import datasets
+    import pandas as pd
+
+    (path, data), = FAMILY.tiny_dataset_files(files, {"kind": kind, "seed": 0, "rows": rows},
+                                              {"vocab_size": 512}).items()
+    assert path.endswith(".parquet")
+    return datasets.Dataset.from_pandas(pd.read_parquet(io.BytesIO(data)))
+
+
+@pytest.fixture(scope="module")
+def eval_samples(checkpoints):
+    tok = FAMILY.processor(checkpoints["tiny-deberta-v3-base"])
+    texts = _tiny_data({"test": "wikitext-2-raw-v1/test-*.parquet"}, "passages", 40)
+    pairs = _tiny_data({"validation_matched": "mnli/validation_matched-*.parquet"}, "nli_pairs", 40)
+    return {"heldout": FAMILY.draw_samples(texts, {"kind": "passages", "count": 6, "min_tokens": 8, "seed": 1}, tok),
+            "mnli": FAMILY.draw_samples(pairs, {"kind": "nli_pairs", "count": 12, "seed": 1}, tok)}
+
+
+def _engine(module, batch: int = 1):
+    """The harness's view (steps._batched_run) of a module run as the engine."""
+    from quantstudy import steps
+
+    def runner(inputs):
+        with torch.no_grad():
+            return module(**inputs)
+    return steps._batched_run({"main": runner}, batch)
+
+
+def test_tiny_nli_pairs_are_labelled_like_mnli():
+    pairs = _tiny_data({"train": "mnli/train-*.parquet"}, "nli_pairs", 60)
+    assert set(pairs.column_names) == {"premise", "hypothesis", "label", "idx"}
+    assert set(pairs["label"]) == {0, 1, 2}
+    # Entailed hypotheses keep more of their premise's words than contradicting ones.
+    overlap = lambda r: len(set(r["hypothesis"].split()) & set(r["premise"].split())) / len(set(r["hypothesis"].split()))
+    by = {k: [overlap(r) for r in pairs if r["label"] == k] for k in (0, 2)}
+    assert sum(by[0]) / len(by[0]) > sum(by[2]) / len(by[2])
+
+
+def test_tiny_head_checkpoint_is_a_classifier_with_labels_by_name(checkpoints):
+    """The NLI-head checkpoint loads as DebertaV2ForSequenceClassification (safetensors) with the
+    architecture's id2label, in another order than MNLI's; its encoder is the graph module's."""
+    ckpt = checkpoints["tiny-deberta-v3-base-mnli"]
+    model, head, id2label = FAMILY.head(ckpt)
+    assert model.num_labels == 3 and id2label == {0: "contradiction", 1: "entailment", 2: "neutral"}
+    assert FAMILY.head(checkpoints["tiny-deberta-v3-base"]) is None
+    inputs = FAMILY.example_inputs(ckpt, "main", SETTING)
+    with torch.no_grad():
+        features = FAMILY.module(ckpt, "main", SETTING)(**inputs)["features"]
+        assert torch.equal(head(features), model(**inputs).logits)
+
+
+def test_an_engine_equal_to_the_reference_measures_no_error(checkpoints, eval_samples):
+    """The fp32 graph module as the engine: feature error 0, one-token cosine 1, and on the head
+    checkpoint agreement 1 and no accuracy difference; the reference's accuracy maps the head's
+    classes to MNLI's labels by name. A checkpoint without a head has no MNLI block."""
+    for arch in ("tiny-deberta-v3-base", "tiny-deberta-v3-base-mnli"):
+        ckpt = checkpoints[arch]
+        tensors, blocks = FAMILY.reference(ckpt, eval_samples, EVAL_SETTING, METRICS, SEEDS, "cpu")
+        mask = tensors["heldout_attention_mask"].bool()
+        assert tensors["heldout_features"].shape == (int(mask.sum()), 64)  # real tokens only
+        result = FAMILY.evaluate(ckpt, _engine(FAMILY.module(ckpt, "main", EVAL_SETTING)), tensors, eval_samples,
+                                 EVAL_SETTING, METRICS, SEEDS, "cpu", {})
+        b = result.blocks
+        assert b["features"]["mean"] <= 1e-6 and b["features"]["texts"] == len(eval_samples["heldout"])
+        assert b["one_token"]["min"] >= 1 - 1e-6 and b["one_token"]["tokens"] == 3 * METRICS["one_token_inputs"]
+        assert result.total_nonfinite == 0
+        assert set(result.nonfinite) == {"heldout", "mnli", "one_token", "stress"}
+        assert b["checkpoint"]["classification_head"] == (arch.endswith("mnli"))
+        if not arch.endswith("mnli"):
+            assert "mnli" not in b and "mnli" not in blocks
+            continue
+        assert b["mnli"]["agreement"] == 1.0 and b["mnli"]["accuracy_diff_points"] == 0.0
+        model, _, _ = FAMILY.head(ckpt)
+        enc = FAMILY.encode(FAMILY.processor(ckpt), eval_samples["mnli"], 32)
+        with torch.no_grad():
+            classes = model(**enc).logits.argmax(-1)
+        names = [model.config.id2label[int(c)] for c in classes]
+        gold = [METRICS["mnli_labels"][p["label"]] for p in eval_samples["mnli"]]
+        want = sum(n == g for n, g in zip(names, gold)) / len(gold)
+        assert blocks["mnli"]["accuracy"] == b["mnli"]["reference_accuracy"] == pytest.approx(want)
+
+
+def test_nonfinite_rows_are_counted_and_fail_the_head(checkpoints, eval_samples):
+    """An engine whose embedding of one token is NaN: every text holding that token is non-finite
+    (attention spreads it over the text, not to other texts), is counted in the scan, left out of the
+    feature error, and disagrees with PyTorch in the head check; the other rows are unaffected."""
+    ckpt = checkpoints["tiny-deberta-v3-base-mnli"]
+    tensors, _ = FAMILY.reference(ckpt, eval_samples, EVAL_SETTING, METRICS, SEEDS, "cpu")
+    ids, mask = tensors["mnli_input_ids"], tensors["mnli_attention_mask"].bool()
+    counts = torch.bincount(ids[mask].long(), minlength=512)
+    rows_with = lambda t: int(((ids == t) & mask).any(1).sum())
+    token = next(t for t in counts.argsort(descending=True).tolist() if t > 4 and 0 < rows_with(t) < ids.shape[0])
+    broken = FAMILY.module(ckpt, "main", EVAL_SETTING)
+    with torch.no_grad():
+        broken.deberta.embeddings.word_embeddings.weight[token] = math.nan
+    result = FAMILY.evaluate(ckpt, _engine(broken), tensors, eval_samples, EVAL_SETTING, METRICS, SEEDS, "cpu", {})
+    bad = rows_with(token)
+    assert result.nonfinite["mnli"] == {"bad": bad, "of": ids.shape[0]}
+    held = tensors["heldout_input_ids"]
+    held_bad = int(((held == token) & tensors["heldout_attention_mask"].bool()).any(1).sum())
+    assert result.nonfinite["heldout"]["bad"] == held_bad
+    assert result.blocks["features"]["nonfinite_texts"] == held_bad
+    assert result.blocks["mnli"]["nonfinite_pairs"] == bad
+    assert result.blocks["mnli"]["agreement"] == pytest.approx(1 - bad / ids.shape[0])

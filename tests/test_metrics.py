@@ -83,3 +83,71 @@ def test_nonfinite_rows_counts_nan_and_inf_rows_once():
     x[1, 0, 0], x[3, 1, 2], x[3, 0, 1] = math.nan, math.inf, -math.inf
     assert qm.nonfinite_rows(x) == 2
     assert qm.nonfinite_rows(torch.ones(4, 7)) == 0
+
+# --- token-feature encoders with a head check (DeBERTa) ------------------------------------------
+
+def test_token_relative_error_counts_real_tokens_only():
+    """Text 0: real token [3, 4] against [3, 4.5] (error 0.5 / 5 = 0.1); its padded position is far off
+    and must not count. Text 1: equal on its two real tokens (error 0)."""
+    ref = torch.tensor([[[3.0, 4.0], [0.0, 0.0]], [[1.0, 0.0], [0.0, 2.0]]])
+    eng = torch.tensor([[[3.0, 4.5], [100.0, -100.0]], [[1.0, 0.0], [0.0, 2.0]]])
+    mask = torch.tensor([[1, 0], [1, 1]])
+    e = qm.token_relative_error(ref, eng, mask)
+    assert abs(e["max"] - 0.1) < 1e-12 and abs(e["mean"] - 0.05) < 1e-12
+    assert e["texts"] == 2 and e["nonfinite_texts"] == 0
+    # Frobenius over the text, not a mean of per-token errors: tokens [3, 4] (error 0.5) and [0, 1] (exact).
+    two = qm.token_relative_error(torch.tensor([[[3.0, 4.0], [0.0, 1.0]]]), torch.tensor([[[3.0, 4.5], [0.0, 1.0]]]),
+                                  torch.tensor([[1, 1]]))
+    assert abs(two["mean"] - 0.5 / math.sqrt(26)) < 1e-12
+
+
+def test_token_relative_error_leaves_out_and_counts_nonfinite_texts():
+    ref = torch.ones(3, 2, 2)
+    eng = ref.clone()
+    eng[0, 0, 0] = math.nan  # a real token: the text is non-finite
+    eng[1, 1, 0] = math.inf  # padding: does not count
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
+    e = qm.token_relative_error(ref, eng, mask)
+    assert e == {"mean": 0.0, "max": 0.0, "texts": 2, "nonfinite_texts": 1}
+    assert qm.real_rows_finite(eng, mask).tolist() == [False, True, True]
+    assert qm.token_relative_error(ref[:1], eng[:1], mask[:1])["mean"] is None
+
+
+def test_label_map_matches_names_not_indices():
+    assert qm.label_map({0: "contradiction", 1: "Entailment", 2: "neutral"},
+                        ["entailment", "neutral", "contradiction"]) == [2, 0, 1]
+    assert qm.label_map({"0": "entailment", "1": "neutral", "2": "contradiction"},
+                        ["entailment", "neutral", "contradiction"]) == [0, 1, 2]
+    with pytest.raises(ValueError, match="not the dataset's"):
+        qm.label_map({0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"}, ["entailment", "neutral", "contradiction"])
+
+
+def test_head_agreement_and_accuracy_difference_by_hand():
+    """Head classes in another order than the dataset's labels (to_label [2, 0, 1]). PyTorch predicts
+    head classes 1, 2, 0, 1 = labels 0, 1, 2, 0; the engine 1, 2, 1, 0 = labels 0, 1, 0, 2. Gold 0, 1, 0, 1:
+    agreement 2/4; PyTorch accuracy 2/4, engine accuracy 3/4: +25 points."""
+    onehot = lambda classes: torch.nn.functional.one_hot(torch.tensor(classes), 3).double()
+    gold = torch.tensor([0, 1, 0, 1])
+    h = qm.head_agreement(onehot([1, 2, 0, 1]), onehot([1, 2, 1, 0]), gold, [2, 0, 1])
+    assert h["agreement"] == 0.5 and h["reference_accuracy"] == 0.5 and h["accuracy"] == 0.75
+    assert abs(h["accuracy_diff_points"] - 25.0) < 1e-9 and h["pairs"] == 4 and h["nonfinite_pairs"] == 0
+
+
+def test_a_nonfinite_pair_disagrees_and_is_wrong():
+    ref = torch.tensor([[2.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
+    eng = torch.tensor([[2.0, 1.0, 0.0], [math.nan, 9.0, 0.0]])  # a NaN beside the right top class
+    h = qm.head_agreement(ref, eng, torch.tensor([0, 1]), [0, 1, 2])
+    assert h["agreement"] == 0.5 and h["accuracy"] == 0.5 and h["reference_accuracy"] == 1.0
+    assert h["nonfinite_pairs"] == 1 and abs(h["accuracy_diff_points"] + 50.0) < 1e-9
+
+
+def test_token_cosine_over_real_tokens():
+    """Real tokens: [1, 0] vs [1, 1] (cosine 1/sqrt 2) and [0, 2] vs [0, 5] (1); the padded one, opposite, is left out."""
+    ref = torch.tensor([[[1.0, 0.0], [0.0, 2.0], [1.0, 0.0]]])
+    eng = torch.tensor([[[1.0, 1.0], [0.0, 5.0], [-1.0, 0.0]]])
+    c = qm.token_cosine(ref, eng, torch.tensor([[1, 1, 0]]))
+    assert abs(c["min"] - 1 / math.sqrt(2)) < 1e-12 and abs(c["mean"] - (1 / math.sqrt(2) + 1) / 2) < 1e-12
+    assert c["tokens"] == 2 and c["nonfinite_tokens"] == 0
+    eng[0, 1, 0] = math.nan
+    worst = qm.token_cosine(ref, eng, torch.tensor([[1, 1, 0]]))
+    assert worst["min"] == -1.0 and worst["nonfinite_tokens"] == 1

@@ -163,6 +163,7 @@ class Runner:
         fp8_layers = _fp8_layers_of(self.engine)
         shapes = _input_shapes(self.engine)
         groups: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)  # node runs, over all calls
         kernels: dict[tuple[str, str], float] = defaultdict(float)
         for e in events:
             node, op = e["name"].removesuffix("_kernel_time"), e["args"].get("op_name", "")
@@ -171,9 +172,10 @@ class Runner:
             name = {"MatMul": "aten::matmul", "Gemm": "aten::addmm"}.get(op, f"onnxruntime::{op}")
             group = classify(region, name, "cpu", {"name": name, "shapes": shapes.get(node, []), "dtypes": []})
             groups[group] += e["dur"] / 1e3 / calls
+            counts[group] += 1
             kernels[(group, f"{node} ({op})")] += e["dur"] / 1e3 / calls
         top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
-        return {"groups_ms": dict(groups), "total_ms": sum(groups.values()),
+        return {"groups_ms": dict(groups), "groups_count": {g: n / calls for g, n in counts.items()}, "total_ms": sum(groups.values()),
                 "top_kernels": [{"group": g, "name": n, "ms": ms} for (g, n), ms in top]}
 
 

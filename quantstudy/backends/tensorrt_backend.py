@@ -350,6 +350,7 @@ class Runner:
             self._enqueue(context)
             self.stream.synchronize()  # the profiler reports each layer once the call completes
         groups: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)  # layers: the profiler reports each layer once per call
         kernels: dict[tuple[str, str], float] = defaultdict(float)
         for name, ms in times.items():
             layer = info.get(name, {})
@@ -362,7 +363,8 @@ class Runner:
                   "dtypes": _datatypes(layer, "Inputs")}
             group = classify(region, f"{kernel} {name}", "cuda", op)
             groups[group] += ms / calls
+            counts[group] += 1
             kernels[(group, name)] += ms / calls
         top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
-        return {"groups_ms": dict(groups), "total_ms": sum(groups.values()),
+        return {"groups_ms": dict(groups), "groups_count": dict(counts), "total_ms": sum(groups.values()),
                 "top_kernels": [{"group": g, "name": n, "ms": ms} for (g, n), ms in top]}

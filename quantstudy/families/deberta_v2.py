@@ -28,6 +28,8 @@ named `<layer>.work_precision/MatMul`.
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import random
 import re
 from pathlib import Path
@@ -36,12 +38,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantstudy import quantization
+from quantstudy import metrics as qm, quantization
 from quantstudy.families import register
 from quantstudy.families.base import Evaluation, Graph, Setting, TensorSpec
 
+log = logging.getLogger("quantstudy")
+
 POSITIONS = "relative_positions"  # call site of query_proj / key_proj on the relative position embeddings
-NO_METRICS = "deberta_v2: the study's metrics come with its study (issue 9)"
 
 # Kernel groups of the write-up's explanation of the missing speedup: the FP8 projection GEMMs,
 # the projections (and positional products) left in fp16, TensorRT's fused attention kernel, and
@@ -333,34 +336,181 @@ class DebertaV2:
         return [{k: v[i:i + 8] for k, v in enc.items()} for i in range(0, n, 8)]
 
     # --- measurements --------------------------------------------------------------------
+    @staticmethod
+    def head(checkpoint: str | Path):
+        """The checkpoint's classification head (DebertaV2ForSequenceClassification's pooler and classifier,
+        fp32) as fn(features) -> logits, with its id2label; None for a checkpoint without one."""
+        from transformers import AutoConfig, DebertaV2ForSequenceClassification
+
+        cfg = AutoConfig.from_pretrained(str(checkpoint))
+        if not any(a.endswith("ForSequenceClassification") for a in (cfg.architectures or [])):
+            return None
+        model = DebertaV2ForSequenceClassification.from_pretrained(str(checkpoint), dtype=torch.float32,
+                                                                   use_safetensors=True).eval()
+        return model, (lambda features: model.classifier(model.pooler(features.float()))), dict(cfg.id2label)
+
+    @staticmethod
+    def one_token_inputs(tokenizer, window: int, count: int, seed: int) -> dict[str, torch.Tensor]:
+        """[CLS] t [SEP] padded to the window, for `count` different ordinary tokens t (seeded): the
+        write-up's one-token input, on which one FP8 build lost its token cosine."""
+        ordinary = torch.tensor(sorted(set(range(len(tokenizer))) - set(tokenizer.all_special_ids)))
+        picks = ordinary[torch.randperm(len(ordinary), generator=torch.Generator().manual_seed(seed))[:count]]
+        ids = torch.full((len(picks), window), tokenizer.pad_token_id, dtype=torch.long)
+        ids[:, 0], ids[:, 1], ids[:, 2] = tokenizer.cls_token_id, picks, tokenizer.sep_token_id
+        mask = torch.zeros_like(ids)
+        mask[:, :3] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+    @staticmethod
+    def stress_inputs(tokenizer, window: int, count: int, seed: int) -> dict[str, Any]:
+        """Inputs for the non-finite scan: random ids filling the window, one token repeated, all
+        [MASK], and [CLS][SEP] alone, in turn."""
+        g = torch.Generator().manual_seed(seed)
+        ordinary = torch.tensor(sorted(set(range(len(tokenizer))) - set(tokenizer.all_special_ids)))
+        kinds = ["random ids", "repeated token", "all [MASK]", "[CLS][SEP]"]
+        ids = torch.full((count, window), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        names = []
+        for i in range(count):
+            kind = kinds[i % len(kinds)]
+            body = window - 2
+            if kind == "random ids":
+                inner = ordinary[torch.randint(len(ordinary), (body,), generator=g)]
+            elif kind == "repeated token":
+                inner = ordinary[torch.randint(len(ordinary), (1,), generator=g)].repeat(body)
+            elif kind == "all [MASK]":
+                inner = torch.full((body,), tokenizer.mask_token_id)
+            else:
+                inner = torch.zeros(0, dtype=torch.long)
+            row = torch.cat([torch.tensor([tokenizer.cls_token_id]), inner, torch.tensor([tokenizer.sep_token_id])])
+            ids[i, :len(row)], mask[i, :len(row)] = row, 1
+            names.append(kind)
+        return {"input_ids": ids, "attention_mask": mask, "kinds": names}
+
+    @staticmethod
+    def _sets(samples: dict[str, list[dict[str, Any]]]) -> tuple[list, list]:
+        missing = [n for n in ("heldout", "mnli") if n not in samples]
+        if missing:
+            raise ValueError(f"the DeBERTa study evaluates on the sample sets heldout (texts) and mnli (NLI pairs); "
+                             f"evaluation_samples lacks {', '.join(missing)}")
+        return samples["heldout"], samples["mnli"]
+
     def reference(self, checkpoint: str | Path, samples: dict[str, list[dict[str, Any]]], setting: Setting,
-                  metrics: dict[str, Any], seeds: dict[str, int], device: str, dtype=None):
-        raise NotImplementedError(NO_METRICS)
+                  metrics: dict[str, Any], seeds: dict[str, int], device: str, dtype=torch.float32):
+        """Transformers DebertaV2Model features (the study's dtype, fp32) of the held-out texts and of
+        the one-token inputs, kept over their real tokens only (packed in row order); the inputs of the
+        MNLI pairs; and, for a checkpoint with a classification head, the full
+        DebertaV2ForSequenceClassification model's logits on the pairs and its accuracy."""
+        window, tok = setting["window"], self.processor(checkpoint)
+        heldout, pairs = self._sets(samples)
+        sets = {"heldout": self.encode(tok, heldout, window), "mnli": self.encode(tok, pairs, window),
+                "one_token": self.one_token_inputs(tok, window, metrics["one_token_inputs"], seeds["one_token"])}
+        head = self.head(checkpoint)
+        ref = (head[0].deberta.to(dtype) if head else self.load_reference(checkpoint, dtype)).to(device)
+        log.info("reference at %d tokens: %d held-out texts, %d MNLI pairs, %d one-token inputs (head: %s)", window,
+                 len(heldout), len(pairs), sets["one_token"]["input_ids"].shape[0], bool(head))
+        tensors: dict[str, torch.Tensor] = {}
+        for name, enc in sets.items():
+            tensors |= {f"{name}_{k}": v.to(torch.int32) for k, v in enc.items()}
+        for name in ("heldout", "one_token"):
+            enc = sets[name]
+            features = _batched(lambda b: ref(**b).last_hidden_state, enc, device)
+            tensors[f"{name}_features"] = features[enc["attention_mask"].bool()].contiguous()
+        blocks: dict[str, dict[str, Any]] = {"heldout": {"texts": len(heldout),
+                                                         "real_tokens": int(sets["heldout"]["attention_mask"].sum())}}
+        if head:
+            model = head[0].to(dtype).to(device)
+            logits = _batched(lambda b: model(**b).logits, sets["mnli"], device)
+            gold = torch.tensor([p["label"] for p in pairs])
+            to_label = torch.tensor(qm.label_map(head[2], metrics["mnli_labels"]))
+            tensors |= {"mnli_logits": logits.contiguous(), "mnli_gold": gold}
+            blocks["mnli"] = {"accuracy": float((to_label[logits.argmax(-1)] == gold).double().mean()),
+                              "pairs": len(pairs)}
+        return tensors, blocks
 
     def evaluate(self, checkpoint: str | Path, run, reference: dict[str, Any], samples: dict[str, list],
                  setting: Setting, metrics: dict[str, Any], seeds: dict[str, int], device: str,
                  against=None) -> Evaluation:
-        raise NotImplementedError(NO_METRICS)
+        """Token feature relative error on the held-out texts (metrics.token_relative_error); for a
+        checkpoint with a classification head, the PyTorch head on the engine's features of the MNLI
+        pairs against the fp32 full model (agreement, accuracy difference); token cosine on the
+        one-token inputs; and the non-finite scan over the real tokens of every set and of the
+        stress inputs."""
+        tok = self.processor(checkpoint)
+        inputs = lambda name: {k: reference[f"{name}_{k}"].long() for k in ("input_ids", "attention_mask")}
+        out = {name: run(inputs(name), what)["features"].float().cpu()
+               for name, what in (("heldout", "held-out texts"), ("mnli", "MNLI pairs"),
+                                  ("one_token", "one-token inputs"))}
+        stress = self.stress_inputs(tok, setting["window"], metrics["stress_inputs"], seeds["stress"])
+        out["stress"] = run({k: stress[k] for k in ("input_ids", "attention_mask")}, "stress inputs")["features"]
+        masks = {name: inputs(name)["attention_mask"] for name in ("heldout", "mnli", "one_token")}
+        masks["stress"] = stress["attention_mask"]
+        blocks: dict[str, dict[str, Any]] = {
+            "features": qm.token_relative_error(_unpack(reference["heldout_features"], masks["heldout"]),
+                                                out["heldout"], masks["heldout"]),
+            "one_token": qm.token_cosine(_unpack(reference["one_token_features"], masks["one_token"]),
+                                         out["one_token"], masks["one_token"]),
+            # A fact of the row, so that a decision condition can select the head checkpoints' rows.
+            "checkpoint": {"classification_head": "mnli_logits" in reference}}
+        if "mnli_logits" in reference:
+            head = self.head(checkpoint)
+            if head is None:
+                raise ValueError("the reference has MNLI logits, but the checkpoint has no classification head")
+            head[0].to(device)  # the pooler and classifier where the features go (the GPU on a GPU target)
+            with torch.no_grad():
+                logits = head[1](out["mnli"].to(device)).cpu()
+            blocks["mnli"] = qm.head_agreement(reference["mnli_logits"], logits, reference["mnli_gold"].long(),
+                                               qm.label_map(head[2], metrics["mnli_labels"]))
+        bad = lambda name: int((~qm.real_rows_finite(out[name].float(), masks[name])).sum())
+        nonfinite = {name: {"bad": bad(name), "of": out[name].shape[0]} for name in out}
+        nonfinite["stress"]["kinds"] = sorted(set(stress["kinds"]))
+        return Evaluation(blocks, nonfinite)
 
     # --- embedded default ----------------------------------------------------------------
     def tiny_checkpoint_files(self, architecture: dict[str, Any], tiny: dict[str, Any]) -> dict[str, bytes]:
-        """A random-init DebertaV2Model (seeded) with a word-level tokenizer, as checkpoint files."""
-        import json
-
+        """A random-init model (seeded) with a word-level tokenizer, as checkpoint files: DebertaV2Model,
+        or DebertaV2ForSequenceClassification where the architecture names it (an NLI head checkpoint,
+        its labels from the architecture's id2label)."""
         from safetensors.torch import save
-        from transformers import DebertaV2Model
+        from transformers import DebertaV2ForSequenceClassification, DebertaV2Model
 
         from quantstudy import fixtures
 
         torch.manual_seed(tiny["seed"])
         cfg = self.hf_config(architecture)
-        model = DebertaV2Model(cfg).eval()
+        heads = [a for a in architecture.get("architectures", []) if a.endswith("ForSequenceClassification")]
+        if heads and heads != ["DebertaV2ForSequenceClassification"]:
+            raise ValueError(f"a tiny DeBERTa checkpoint is DebertaV2Model or DebertaV2ForSequenceClassification, "
+                             f"not {heads}")
+        model = (DebertaV2ForSequenceClassification if heads else DebertaV2Model)(cfg).eval()
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         files = {"config.json": json.dumps(cfg.to_dict(), indent=1, sort_keys=True).encode(),
                  "model.safetensors": save(state, metadata={"format": "pt"})}
         files.update(fixtures.tokenizer_files(cfg.vocab_size, cfg.max_position_embeddings))
         return files
 
-    def tiny_dataset_files(self, files: dict[str, str], tiny: dict[str, Any],
-                           architecture: dict[str, Any]) -> dict[str, bytes]:
-        raise NotImplementedError(NO_METRICS)
+    @staticmethod
+    def tiny_dataset_files(files: dict[str, str], tiny: dict[str, Any], architecture: dict[str, Any]) -> dict[str, bytes]:
+        """Generated WikiText-like passages (kind `passages`) or MNLI-like labelled pairs (kind
+        `nli_pairs`: premise, hypothesis, label 0 entailment / 1 neutral / 2 contradiction, idx) over the
+        tiny tokenizer's pseudo-words."""
+        from quantstudy import fixtures
+
+        if tiny["kind"] not in ("passages", "nli_pairs"):
+            raise ValueError(f"a tiny DeBERTa dataset holds passages or nli_pairs, not {tiny['kind']!r}")
+        return fixtures.dataset_files(files, tiny, architecture["vocab_size"])
+
+def _batched(forward, enc: dict[str, torch.Tensor], device: str, batch: int = 8) -> torch.Tensor:
+    """forward(**inputs) over the rows in batches, in fp32 on the CPU."""
+    n = enc["input_ids"].shape[0]
+    with torch.no_grad():
+        return torch.cat([forward({k: v[i:i + batch].long().to(device) for k, v in enc.items()}).float().cpu()
+                          for i in range(0, n, batch)])
+
+
+def _unpack(packed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Real-token rows (packed in row order) back to [rows, window, hidden], zeros at the padding."""
+    real = mask.bool()
+    out = torch.zeros(*real.shape, packed.shape[-1], dtype=packed.dtype)
+    out[real] = packed
+    return out

@@ -113,7 +113,8 @@ def rule_of(comment):
 
 
 def deterministic(path, repo):
-    """A result file's content less what legitimately differs between two runs: provenance,
+    """A result file's content less what legitimately differs between two runs: provenance (and
+    the content digest, which covers it),
     the repository's path, and what was measured. Timing and kernel files keep their fields,
     status and list lengths; in tables.json the speed, kernel and decision numbers are masked.
     README numbers are all masked: each one is rendered from a JSON compared here (Jinja only)."""
@@ -128,7 +129,7 @@ def deterministic(path, repo):
     def strip(x, measured=False, lengths=False):
         if isinstance(x, dict):
             return {k: strip(v, measured or k in masked_keys, lengths)
-                    for k, v in x.items() if k != "provenance"}
+                    for k, v in x.items() if k not in ("provenance", "content_sha256")}
         if isinstance(x, list):
             return len(x) if lengths else [strip(v, measured, lengths) for v in x]
         if measured and isinstance(x, (int, float)) and not isinstance(x, bool):

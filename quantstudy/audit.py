@@ -70,16 +70,23 @@ def check_chain(tables_json: str | Path) -> dict[str, Any]:
     return {"files_checked": len(seen), "problems": problems}
 
 
-def audit(tables_json: str, readme: str, out: str) -> None:
+def findings(tables_json: str | Path, readme: str | Path) -> tuple[bool, dict[str, Any]]:
+    """Whether the README is what the templates render from tables.json, and the chain's report
+    (check_chain) with that, and every input aggregate could not read, among its problems."""
     from quantstudy import render
 
-    started = now()
     tables = read_json(tables_json, "tables")
     readme_matches = render.render_section(tables) == Path(readme).read_text()
     chain = check_chain(tables_json)
     if not readme_matches:
         chain["problems"].insert(0, f"{readme} is not what the templates render from {tables_json}")
     chain["problems"] += [f"an input could not be read: {d['error']}" for d in tables.get("damaged", [])]
+    return readme_matches, chain
+
+
+def audit(tables_json: str, readme: str, out: str) -> None:
+    started = now()
+    readme_matches, chain = findings(tables_json, readme)
     for p in chain["problems"]:
         log.warning(p)
     log.info("audited %d files: %d problems", chain["files_checked"], len(chain["problems"]))
@@ -191,13 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "check":
         study = Path(args.study_dir)
-        tables = read_json(study / "tables.json", "tables")
-        from quantstudy import render
-
-        problems = [] if render.render_section(tables) == (study / "README.md").read_text() else [
-            f"{study / 'README.md'} is not what the templates render from {study / 'tables.json'}"]
-        problems += check_chain(study / "tables.json")["problems"]
-        problems += [f"an input could not be read: {d['error']}" for d in tables.get("damaged", [])]
+        problems = findings(study / "tables.json", study / "README.md")[1]["problems"]
         print("\n".join(problems) if problems else f"{study}: the README and every file behind it check out")
         return 1 if problems else 0
     if args.number is None:

@@ -259,17 +259,20 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
     `against_code` also checks the names it gives the code (family, transforms, the layers its
     recipe patterns match), which imports torch and builds each model on the meta device."""
     doc = merged_study_doc(spec_path, overrides)
-    overrides = [overrides] if isinstance(overrides, (str, Path)) else list(overrides or [])
-    where = " + ".join(str(p) for p in [spec_path, *overrides])
+    where = " + ".join(str(p) for p in [spec_path, *_override_list(overrides)])
     _validate(doc, "study.schema.yaml", where)
     return _build_study(_locked(doc, where), where, against_code)
 
 
+def _override_list(overrides: str | Path | list[str] | None) -> list:
+    """A study's overrides as a list: a run config names one file or a list of them."""
+    return [overrides] if isinstance(overrides, (str, Path)) else list(overrides or [])
+
+
 def merged_study_doc(spec_path: str | Path, overrides: str | list[str] | None = None) -> dict[str, Any]:
     """A study spec with its override files deep-merged over it in order (not yet validated)."""
-    overrides = [overrides] if isinstance(overrides, (str, Path)) else list(overrides or [])
     doc = _load_yaml(_path(spec_path))
-    for o in overrides:
+    for o in _override_list(overrides):
         doc = deep_merge(doc, _load_yaml(_path(o)) or {})
     return doc
 

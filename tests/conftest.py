@@ -139,3 +139,17 @@ def stand_in_lock(path: Path, run_configs: list[str]) -> list[str]:
                             "how": "stand-in for a test"}
     lock.write(entries, path)
     return sorted(entries)
+
+
+def dry_run_with_studies(tmp_path: Path, studies: dict) -> "subprocess.CompletedProcess":
+    """`snakemake -n` of the checkout's Snakefile in `tmp_path`, on the embedded default with these
+    studies (run-config entries): what a user's bad config does before any job."""
+    import subprocess
+    import sys
+
+    run = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    run["studies"] = studies
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(run))
+    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--snakefile", str(ROOT / "Snakefile"),
+                           "--directory", str(tmp_path), "--configfile", str(tmp_path / "config.yaml")],
+                          capture_output=True, text=True)

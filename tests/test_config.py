@@ -10,7 +10,7 @@ import yaml
 
 from quantstudy import config as qc
 
-from conftest import ROOT
+from conftest import ROOT, dry_run_with_studies
 
 
 def study_doc() -> dict:
@@ -136,12 +136,7 @@ def test_snakemake_stops_before_any_job(tmp_path):
     doc = study_doc()
     doc["models"]["fnet-base"]["checkpoint"]["revision"] = "main"
     (tmp_path / "study.yaml").write_text(yaml.safe_dump(doc))
-    run = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    run["studies"]["fnet"] = {"spec": str(tmp_path / "study.yaml")}
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(run))
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--snakefile", str(ROOT / "Snakefile"),
-                           "--directory", str(tmp_path), "--configfile", str(tmp_path / "config.yaml")],
-                          capture_output=True, text=True)
+    proc = dry_run_with_studies(tmp_path, {"fnet": {"spec": str(tmp_path / "study.yaml")}})
     assert proc.returncode != 0
     assert "revision 'main' is not pinned" in proc.stdout + proc.stderr
     assert not (tmp_path / "results").exists()

@@ -7,9 +7,6 @@ list_repo_commits), answering with huggingface_hub's own types.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import yaml
 from huggingface_hub.hf_api import GitCommitInfo, GitRefInfo, GitRefs
@@ -17,7 +14,7 @@ from huggingface_hub.hf_api import GitCommitInfo, GitRefInfo, GitRefs
 from quantstudy import config as qc
 from quantstudy import lock
 
-from conftest import ROOT
+from conftest import ROOT, dry_run_with_studies
 
 HEAD = "6f5cf0a2" + "1" * 32
 OLD = "6f5cf0b7" + "2" * 32
@@ -98,14 +95,8 @@ def test_an_unresolved_revision_stops_the_config_with_the_command(tmp_path, lock
 
 
 def test_snakemake_stops_on_an_unresolved_revision_before_any_job(tmp_path, lock_file):
-    spec = study_with(tmp_path, None)
-    run = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    run["studies"] = {"fnet": {"spec": spec}}
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(run))
     # The run reads the checkout's lock file, which has no entry for org/model.
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--snakefile", str(ROOT / "Snakefile"),
-                           "--directory", str(tmp_path), "--configfile", str(tmp_path / "config.yaml")],
-                          capture_output=True, text=True)
+    proc = dry_run_with_studies(tmp_path, {"fnet": {"spec": study_with(tmp_path, None)}})
     assert proc.returncode != 0
     assert "unresolved revisions" in proc.stdout + proc.stderr
     assert "model org/model (no revision)" in proc.stdout + proc.stderr

@@ -31,8 +31,10 @@ machine() {
 torch.cuda.get_device_capability())"; lscpu | head -20; free -g; } > $ev/machine.txt 2>&1
 }
 # STUDIES (default: both) names the studies of this call: one study's passes fit one device call.
+# CALL names a config file layered over config/h200.yaml (config/realsize/calls/) that cuts a study
+# to what one call fits.
 studies=${STUDIES:-"timm_xcit deberta_v2"}
-sm="python3 -m snakemake --configfile config/h200.yaml --cores 16 --keep-going --rerun-incomplete"
+sm="python3 -m snakemake --configfile config/h200.yaml ${CALL:-} --cores 16 --keep-going --rerun-incomplete"
 # 1: everything but the measurements (parallel, the GPU shared). 2: timing and profiles, each
 # measurement holding the GPU alone (quantstudy.timing.device_lock), then aggregate, render, audit.
 pass1() { $sm --omit-from time profile results/$1/README.md results/$1/audit.json >> $ev/snakemake-$1-1.txt 2>&1; }

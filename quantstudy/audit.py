@@ -9,6 +9,7 @@ From a shell (each exits non-zero when it finds a problem):
     python -m quantstudy.audit check results/fnet                   # the README and its whole chain
     python -m quantstudy.audit chain results/fnet/README.md 1.08    # where a rendered number came from
     python -m quantstudy.audit chain results/fnet/cpu-torch/fnet-base/w512/fp8/timing.json
+    python -m quantstudy.audit reproduce results/fnet              # rerun a seeded sample of its measurements
 """
 
 from __future__ import annotations
@@ -24,50 +25,120 @@ from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, sh
 log = logging.getLogger("quantstudy")
 
 
-def check_chain(tables_json: str | Path) -> dict[str, Any]:
-    """Follow provenance inputs from tables.json; report every missing or changed file."""
-    problems: list[str] = []
-    seen: set[str] = set()
-    measured: dict[str, dict[str, tuple[str, dict]]] = {}  # build.json -> {rule: (artifact, engine digests)}
-    todo = [str(tables_json)]
-    while todo:
-        path = todo.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        if not path.endswith(".json"):
-            continue
+# TEST01's probe: the timing job's and the evaluation job's answers on the seeded example inputs
+# agree to this share of the probe's largest magnitude (one engine, one machine kind: equal in
+# practice; the margin covers a GEMM algorithm chosen differently on another GPU of the model).
+PROBE_TOLERANCE = 1e-3
+
+
+def walk(root: str | Path) -> list[dict[str, Any]]:
+    """Every artifact behind `root`, depth first down to the pinned checkpoints and data: a step per
+    reference to a file, {depth, path, parent, role, problem}, and for a JSON (its first reference)
+    {rule, started, finished, commit, software, hardware, pinned, doc}. A step's problem is what is
+    wrong with the file as its reader recorded it: missing, changed since, damaged, or (a checkpoint)
+    a snapshot file that differs from its recorded sha256."""
+    steps: list[dict[str, Any]] = []
+    digests: dict[str, str] = {}  # one sha256 per file: a checkpoint is read by every job
+    expanded: set[str] = set()
+
+    def digest(p: str) -> str:
+        if p not in digests:
+            digests[p] = sha256_path(p)
+        return digests[p]
+
+    def visit(p: str, depth: int, recorded: str | None, parent: str | None, role: str | None) -> None:
+        step: dict[str, Any] = {"depth": depth, "path": p, "parent": parent, "role": role}
+        steps.append(step)
+        if not Path(p).exists():
+            step["problem"] = "is missing"
+            return
+        if recorded and digest(p) != recorded:
+            step["problem"] = "changed since the job that read it recorded its sha256"
+        if not p.endswith(".json") or p in expanded:
+            return
+        expanded.add(p)
         try:
-            doc = read_json(path)
+            doc = read_json(p)
         except DamagedArtifact as e:
-            problems.append(str(e))
-            continue
-        for name, entry in doc.get("provenance", {}).get("inputs", {}).items():
-            p = Path(entry["path"])
-            if not p.exists():
-                problems.append(f"{path}: input {name} ({p}) is missing")
-            elif sha256_path(p) != entry["sha256"]:
-                problems.append(f"{path}: input {name} ({p}) changed since it was read")
-            else:
-                todo.append(str(p))
-        if doc.get("schema") == "build" and doc.get("status") == "ok":
-            for g, e in doc["graphs"].items():
-                if not Path(e["engine"]).exists() or sha256_file(e["engine"]) != e["engine_sha256"]:
-                    problems.append(f"{path}: engine {e['engine']} (graph {g}) is missing or not the file it built")
-        if doc.get("engine_sha256") and "build" in doc.get("provenance", {}).get("inputs", {}):
-            build = doc["provenance"]["inputs"]["build"]["path"]
-            measured.setdefault(build, {})[doc["provenance"]["rule"]] = (path, doc["engine_sha256"])
+            step["problem"] = e.problem
+            return
+        prov = doc.get("provenance", {})
+        step.update(doc=doc, rule=prov.get("rule"), started=prov.get("started"), finished=prov.get("finished"),
+                    commit=prov.get("workflow_commit"), software=prov.get("software", {}),
+                    hardware=prov.get("hardware", {}))
+        if doc.get("repo") and doc.get("revision"):
+            step["pinned"] = f"{doc['repo']} at {doc['revision']}"
         if doc.get("schema") == "checkpoint":
             snapshot = Path(doc["snapshot"])
-            for rel, digest in doc["files"].items():
-                f = snapshot / rel
-                if not f.exists() or sha256_file(f) != digest:
-                    problems.append(f"{path}: checkpoint file {rel} is missing or differs from its recorded sha256")
-    # TEST01: the engine that was timed is the engine that was evaluated.
+            for rel, want in doc["files"].items():
+                if not (snapshot / rel).exists() or sha256_file(snapshot / rel) != want:
+                    step["problem"] = f"has snapshot file {rel} missing or differing from its recorded sha256"
+            # The HF cache names a snapshot by its commit: a pinned (full-hash) revision is that name.
+            if len(doc["revision"]) == 40 and snapshot.name != doc["revision"]:
+                step["problem"] = f"says revision {doc['revision']}, but its snapshot is commit {snapshot.name}"
+        if doc.get("schema") == "build" and doc.get("status") == "ok":
+            for g, e in doc["graphs"].items():
+                visit(e["engine"], depth + 1, e["engine_sha256"], p, f"engine of graph {g}")
+        for name, entry in prov.get("inputs", {}).items():
+            visit(entry["path"], depth + 1, entry["sha256"], p, f"input {name}")
+
+    visit(str(root), 0, None, None, None)
+    return steps
+
+
+def problem_text(step: dict[str, Any]) -> str:
+    """A broken step as one sentence that names the file, who read it and what is wrong."""
+    if step["parent"] is None:
+        return f"{step['path']}: {step['problem']}"
+    return f"{step['parent']}: {step['role']} ({step['path']}) {step['problem']}"
+
+
+def probes_differ(a: dict[str, Any], b: dict[str, Any], tolerance: float = PROBE_TOLERANCE) -> str | None:
+    """Where two jobs' probes (steps._probe) of one engine disagree, or None."""
+    for g in sorted(set(a) | set(b)):
+        for name in sorted(set(a.get(g, {})) | set(b.get(g, {}))):
+            x, y = a.get(g, {}).get(name), b.get(g, {}).get(name)
+            if x is None or y is None:
+                return f"output {name} of graph {g} is in one probe only"
+            if x["shape"] != y["shape"] or x["nonfinite"] != y["nonfinite"]:
+                return f"output {name} of graph {g}: shape or non-finite count differs"
+            scale = max((abs(v) for v in x["values"] + y["values"] if v is not None), default=0.0)
+            for u, v in zip(x["values"], y["values"]):
+                if (u is None) != (v is None) or (u is not None and abs(u - v) > tolerance * scale):
+                    return (f"output {name} of graph {g}: {u!r} against {v!r}, beyond {tolerance:g} of the "
+                            f"probe's largest value {scale:.4g}")
+    return None
+
+
+def check_chain(tables_json: str | Path) -> dict[str, Any]:
+    """The whole chain behind tables.json (walk): every missing, changed or damaged file, and TEST01:
+    the engine that was timed is the one that was evaluated, and it gave both jobs the same probe."""
+    steps = walk(tables_json)
+    problems = [problem_text(s) for s in steps if s.get("problem")]
+    # The root of the chain: every checkpoint and sample list was fetched at the revision the study pins.
+    spec = read_json(tables_json, "tables")["spec"]
+    pins = {m["checkpoint"]["repo"]: m["checkpoint"]["revision"] for m in spec["models"].values()}
+    pins |= {d["repo"]: d["revision"] for d in spec["datasets"].values()}
+    for s in steps:
+        doc = s.get("doc") or {}
+        if doc.get("schema") in ("checkpoint", "samples") and pins.get(doc["repo"], doc["revision"]) != doc["revision"]:
+            problems.append(f"{s['path']}: fetched {doc['repo']} at {doc['revision']}, but the study pins "
+                            f"{pins[doc['repo']]}")
+    measured: dict[str, dict[str, tuple[str, dict]]] = {}  # build.json -> {rule: (artifact, its doc)}
+    for s in steps:
+        doc = s.get("doc") or {}
+        if doc.get("engine_sha256") and "build" in doc.get("provenance", {}).get("inputs", {}):
+            measured.setdefault(doc["provenance"]["inputs"]["build"]["path"], {})[doc["provenance"]["rule"]] = (
+                s["path"], doc)
     for build, jobs in measured.items():
-        if "time" in jobs and "evaluate" in jobs and jobs["time"][1] != jobs["evaluate"][1]:
-            problems.append(f"{jobs['time'][0]} and {jobs['evaluate'][0]} measured different engines of {build}")
-    return {"files_checked": len(seen), "problems": problems}
+        if "time" not in jobs or "evaluate" not in jobs:
+            continue
+        (timing, t), (quality, q) = jobs["time"], jobs["evaluate"]
+        if t["engine_sha256"] != q["engine_sha256"]:
+            problems.append(f"{timing} and {quality} measured different engines of {build}")
+        elif "probe" in t and "probe" in q and (why := probes_differ(t["probe"], q["probe"])):
+            problems.append(f"{timing} and {quality} got different answers from the engine of {build}: {why}")
+    return {"files_checked": len({s["path"] for s in steps}), "problems": problems}
 
 
 def findings(tables_json: str | Path, readme: str | Path) -> tuple[bool, dict[str, Any]]:
@@ -133,43 +204,6 @@ def find_number(tables: dict[str, Any], text: str) -> list[dict[str, Any]]:
     return hits
 
 
-def chain(path: str | Path) -> list[dict[str, Any]]:
-    """Every artifact behind `path`, depth first from it down to the pinned checkpoint and data:
-    {depth, path, rule, ok, problem, started, finished, software, hardware, commit, pinned}."""
-    steps, seen = [], set()
-
-    def visit(p: str, depth: int, recorded: str | None) -> None:
-        step: dict[str, Any] = {"depth": depth, "path": p}
-        steps.append(step)
-        if not Path(p).exists():
-            step["problem"] = "missing"
-            return
-        if recorded and sha256_path(p) != recorded:
-            step["problem"] = "changed since the job that read it recorded its sha256"
-        if not p.endswith(".json") or p in seen:
-            return
-        seen.add(p)
-        try:
-            doc = read_json(p)
-        except DamagedArtifact as e:
-            step["problem"] = e.problem
-            return
-        prov = doc.get("provenance", {})
-        step.update(rule=prov.get("rule"), started=prov.get("started"), finished=prov.get("finished"),
-                    commit=prov.get("workflow_commit"), software=prov.get("software", {}),
-                    hardware=prov.get("hardware", {}))
-        if doc.get("repo") and doc.get("revision"):
-            step["pinned"] = f"{doc['repo']} at {doc['revision']}"
-        if doc.get("schema") == "build" and doc.get("status") == "ok":
-            for e in doc["graphs"].values():
-                visit(e["engine"], depth + 1, e["engine_sha256"])
-        for entry in prov.get("inputs", {}).values():
-            visit(entry["path"], depth + 1, entry["sha256"])
-
-    visit(str(path), 0, None)
-    return steps
-
-
 def _describe(step: dict[str, Any]) -> str:
     pad = "  " * step["depth"]
     line = f"{pad}{step['path']}"
@@ -183,7 +217,7 @@ def _describe(step: dict[str, Any]) -> str:
     if step.get("pinned"):
         line += f"\n{pad}  pinned: {step['pinned']}"
     if step.get("problem"):
-        line += f"\n{pad}  BROKEN: {step['problem']}"
+        line += f"\n{pad}  BROKEN: {problem_text(step)}"
     return line
 
 
@@ -195,14 +229,30 @@ def main(argv: list[str] | None = None) -> int:
     one = sub.add_parser("chain", help="the chain of one number (a README and the number as shown) or one JSON")
     one.add_argument("source", help="results/<study>/README.md, or any artifact JSON")
     one.add_argument("number", nargs="?", help="the number as the README shows it (with the README)")
+    again = sub.add_parser("reproduce", help="re-execute a seeded sample of a study's measurement jobs and compare")
+    again.add_argument("study_dir", help="results/<study>")
+    again.add_argument("--configfile", default="config/config.yaml", help="the run config the study ran with")
+    again.add_argument("--evaluate", type=int, default=3, help="evaluate jobs in the sample")
+    again.add_argument("--time", type=int, default=1, help="time jobs in the sample")
+    again.add_argument("--seed", type=int, default=0)
+    again.add_argument("--jobs", nargs="+", help="these measurement JSONs instead of a sample")
+    again.add_argument("--scratch", help="where to re-execute (default: a new temporary directory)")
+    again.add_argument("--out", help="the report (default: <scratch>/reproduce.json)")
     args = parser.parse_args(argv)
+    if args.command == "reproduce":
+        from quantstudy import reproduce
+
+        jobs = args.jobs or reproduce.choose(Path(args.study_dir), args.evaluate, args.time, args.seed)
+        report = reproduce.reproduce(args.study_dir, args.configfile, jobs, args.scratch, out=args.out)
+        print(reproduce.summary(report))
+        return 0 if report["ok"] else 1
     if args.command == "check":
         study = Path(args.study_dir)
         problems = findings(study / "tables.json", study / "README.md")[1]["problems"]
         print("\n".join(problems) if problems else f"{study}: the README and every file behind it check out")
         return 1 if problems else 0
     if args.number is None:
-        steps = chain(args.source)
+        steps = walk(args.source)
     else:
         tables_json = Path(args.source).parent / "tables.json"
         if args.number not in Path(args.source).read_text():
@@ -217,11 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         for h in hits:
             print(f"{h['table']} table, row {h['row']}, column {h['column']} = {h['value']!r}, from {h['source']}")
         for source in dict.fromkeys(h["source"] for h in hits if h["source"]):
-            steps += chain(source)
+            steps += walk(source)
     print("\n".join(_describe(s) for s in steps))
     broken = [s for s in steps if s.get("problem")]
     if broken:
-        print(f"first broken link: {broken[0]['path']}: {broken[0]['problem']}", file=sys.stderr)
+        print(f"first broken link: {problem_text(broken[0])}", file=sys.stderr)
     return 1 if broken else 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import sys
 import traceback
 from pathlib import Path
@@ -370,6 +371,28 @@ def _runners(family: str, build_doc: dict[str, Any], recipe: dict, checkpoint_js
             for g in names}
 
 
+def _probe(family: str, build_doc: dict[str, Any], checkpoint_json: str, setting, runners: dict[str, Any]
+           ) -> dict[str, Any]:
+    """TEST01's probe: each graph's outputs on the setting's seeded example inputs, in brief (shape,
+    non-finite count, L2 norm and 64 evenly spaced values of each output), so that the audit can
+    check that the timing job and the evaluation job got the same answer from the same engine."""
+    import torch
+
+    precision, ckpt, probe = build_doc["spec"]["precision"], _snapshot(checkpoint_json), {}
+    for g, runner in runners.items():
+        with torch.no_grad():
+            outs = runner(_example_inputs(family, ckpt, g, setting, precision))
+        probe[g] = {}
+        for name, t in outs.items():
+            flat = t.detach().float().cpu().flatten()
+            picks = torch.linspace(0, flat.numel() - 1, min(64, flat.numel())).long()
+            finite = flat[torch.isfinite(flat)]
+            probe[g][name] = {"shape": list(t.shape), "nonfinite": int(flat.numel() - finite.numel()),
+                              "l2": float(finite.double().norm()),
+                              "values": [v if math.isfinite(v) else None for v in flat[picks].tolist()]}
+    return probe
+
+
 def _engine_digests(build_doc: dict[str, Any]) -> dict[str, str]:
     """{graph: sha256} of the engines a job measured (TEST01: the timed and the evaluated engine are one file)."""
     return {g: e["engine_sha256"] for g, e in build_doc["graphs"].items()}
@@ -401,8 +424,10 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
             log.info("%s FP8 GEMMs: %s", g, fp8)
             v, b = result[ident["variant"]], result[baseline]
             graphs[g] = {"variant_ms": v, "baseline_ms": b, **qt.speedup(b["samples_ms"], v["samples_ms"]), "fp8": fp8}
+        probe = _probe(family, variant_doc, checkpoint_json, st, runners[ident["variant"]])
         write_json(out, "timing", {"status": "ok", **ident, "baseline": baseline, "batch": st.batch,
                                    "shape": dict(st.shape), "graphs": graphs, "engine_sha256": _engine_digests(variant_doc),
+                                   "probe": probe,
                                    "provenance": provenance("time", inputs, params, started)})
     except Exception:
         _failure("timing", out, ident, traceback.format_exc(), "time", inputs, params, started, baseline=baseline)
@@ -478,8 +503,9 @@ def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting
                                               load_file(reference_tensors), _samples(samples_jsons), st, metrics,
                                               seeds, target["device"], against)
         log.info("%s; non-finite %d", result.blocks, result.total_nonfinite)
+        probe = _probe(family, build_doc, checkpoint_json, st, runners)
         write_json(out, "quality", {"status": "ok", **ident, "blocks": result.blocks,
-                                    "engine_sha256": _engine_digests(build_doc),
+                                    "engine_sha256": _engine_digests(build_doc), "probe": probe,
                                     "nonfinite": {**result.nonfinite, "total_bad": result.total_nonfinite},
                                     "provenance": provenance("evaluate", inputs, params, started)})
     except Exception:

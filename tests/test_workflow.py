@@ -139,7 +139,8 @@ def test_audit_traces_the_readme_to_pinned_inputs(workflow_copy, monkeypatch):
     try:
         amax.write_text(original.replace('"input_amax": ', '"input_amax": 1', 1))
         problems = check_chain("results/fnet/tables.json")["problems"]
-        assert any("amax.json) changed since it was read" in p for p in problems)
+        assert any("(results/fnet/fnet-base/calib/w512/amax.json) changed since the job that read it" in p
+                   for p in problems), problems
     finally:
         amax.write_text(original)
 
@@ -204,7 +205,9 @@ def test_the_audit_command_checks_a_study_and_prints_one_numbers_chain(workflow_
     # down to the pinned checkpoint, with the job, machine and software of every step.
     tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
     row = next(r for r in tables["speed"] if r["variant"] == "fp8" and r["status"] == "ok")
-    shown = f"{row['variant_ms']:.3f}"
+    from quantstudy import render
+
+    shown = render.ms(row["variant_ms"])
     assert shown in (workflow_copy / "results/fnet/README.md").read_text()
     proc = _audit_cli(workflow_copy, "chain", "results/fnet/README.md", shown)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -225,10 +228,92 @@ def test_the_chain_names_the_first_broken_link(workflow_copy, tmp_path):
     (repo / engine).write_bytes((repo / engine).read_bytes() + b"\0")
     proc = _audit_cli(repo, "chain", timing)
     assert proc.returncode == 1
-    assert f"first broken link: {engine}: changed since the job that read it recorded its sha256" in proc.stderr
+    broken = f"engine of graph main ({engine}) changed since the job that read it recorded its sha256"
+    assert f"first broken link: results/fnet/cpu-torch/fnet-base/w512/fp8/build.json: {broken}" in proc.stderr
     proc = _audit_cli(repo, "check", "results/fnet")
-    assert proc.returncode == 1 and f"engine {engine} (graph main) is missing or not the file it built" in proc.stdout
+    assert proc.returncode == 1 and broken in proc.stdout
     # A job that opens it refuses it, naming the build to redo.
     proc = snakemake(repo, "--configfile", ".test/config.yaml", "--forcerun", "time", "--keep-going", timing)
     doc = json.loads((repo / timing).read_text())
     assert doc["status"] == "failed" and f"the engine {engine} is not the one the build of fp8 made" in doc["error"]
+
+
+def _forge(path: Path, edit) -> None:
+    """Edit a measurement JSON as a careful forger would: change a value, then recompute its digest."""
+    from quantstudy.artifacts import write_json
+
+    doc = json.loads(path.read_text())
+    edit(doc)
+    write_json(path, doc["schema"], {k: v for k, v in doc.items() if k not in ("schema", "schema_version",
+                                                                              "content_sha256")})
+
+
+def test_reproduce_reruns_a_sample_of_the_measurements_and_they_agree(workflow_copy, tmp_path):
+    """An untampered run: the re-executed evaluation gives every number of its quality.json bit for bit."""
+    proc = _audit_cli(workflow_copy, "reproduce", "results/fnet", "--configfile", ".test/config.yaml",
+                      "--evaluate", "1", "--time", "0", "--scratch", str(tmp_path / "scratch"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "scratch/reproduce.json").read_text())
+    [job] = report["jobs"]
+    assert job["rule"] == "evaluate" and job["ok"] and job["differences"] == []
+    rerun = json.loads((tmp_path / "scratch" / job["path"]).read_text())
+    recorded = json.loads((workflow_copy / job["path"]).read_text())
+    assert rerun["provenance"]["started"] > recorded["provenance"]["finished"]  # it did run again
+    assert "every re-executed job agrees with its record" in proc.stdout
+
+
+def test_a_forged_result_with_its_digest_recomputed_is_caught_by_reproduce(workflow_copy, tmp_path):
+    """A quality value and a timing x edited with their digests recomputed, then `snakemake` again:
+    every hash on the chain agrees (the audit passes), and re-executing the two jobs names both."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    variant = "results/fnet/cpu-torch/fnet-base/w512/fp8"
+    _forge(repo / variant / "quality.json", lambda d: d["blocks"]["mlm"].update(top1_agreement=0.999))
+    _forge(repo / variant / "timing.json", lambda d: d["graphs"]["main"].update(x=5.0))
+    proc = snakemake(repo, "--configfile", ".test/config.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((repo / "results/fnet/audit.json").read_text())["ok"]
+    proc = _audit_cli(repo, "reproduce", "results/fnet", "--configfile", ".test/config.yaml", "--jobs",
+                      f"{variant}/quality.json", f"{variant}/timing.json", "--scratch", str(tmp_path / "scratch"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"DIFFERS evaluate: {variant}/quality.json" in proc.stdout
+    assert "blocks.mlm.top1_agreement: recorded 0.999, reproduced" in proc.stdout
+    assert f"DIFFERS time: {variant}/timing.json" in proc.stdout and "graphs.main.x: recorded 5.0" in proc.stdout
+
+
+def test_a_probe_that_differs_between_timing_and_evaluation_fails_the_audit(workflow_copy, tmp_path):
+    """TEST01: the timed and the evaluated engine are one file, and gave both jobs the same probe."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    variant = "results/fnet/cpu-torch/fnet-base/w512/fp8"
+    timing = json.loads((repo / variant / "timing.json").read_text())
+    quality = json.loads((repo / variant / "quality.json").read_text())
+    assert timing["probe"] == quality["probe"] and timing["probe"]["main"]
+    _forge(repo / variant / "timing.json",
+           lambda d: next(iter(d["probe"]["main"].values()))["values"].__setitem__(0, 1e3))
+    proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
+    assert proc.returncode != 0
+    log = (repo / "logs/fnet/audit.log").read_text()
+    assert (f"{variant}/timing.json and {variant}/quality.json got different answers from the engine of "
+            f"{variant}/build.json") in log
+
+
+def test_a_tampered_revision_fails_the_audit(workflow_copy, tmp_path):
+    """checkpoint.json made to say another revision, its digest recomputed: its snapshot and the
+    study's pin both contradict it, whether or not the jobs after it are rerun."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    checkpoint = repo / "results/fnet/fnet-base/checkpoint.json"
+    pinned = json.loads(checkpoint.read_text())["revision"]
+    _forge(checkpoint, lambda d: d.update(revision="0" * 40))
+    proc = _audit_cli(repo, "check", "results/fnet")
+    assert proc.returncode == 1
+    assert f"says revision {'0' * 40}, but its snapshot is commit {pinned}" in proc.stdout
+    assert (f"results/fnet/fnet-base/checkpoint.json: fetched quantstudy-tiny/fnet-base at {'0' * 40}, but the "
+            f"study pins {pinned}") in proc.stdout

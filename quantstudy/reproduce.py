@@ -1,0 +1,216 @@
+"""Re-execute a seeded sample of a study's measurement jobs and compare their numbers.
+
+A hand-edited measurement JSON with a recomputed digest passes every hash check; it does not
+survive its job being run again. `reproduce` copies the checkout into a scratch directory (code and
+config copied, the study's results hard-linked, the HF cache linked), reruns the chosen `evaluate`
+and `time` jobs there through Snakemake (only those rules may run; nothing upstream is rebuilt),
+and compares each new JSON with the recorded one within the tolerances below.
+
+    python -m quantstudy.audit reproduce results/fnet [--configfile config/config.yaml]
+        [--evaluate 3] [--time 1] [--seed 0] [--jobs results/fnet/.../quality.json ...]
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from quantstudy import devtools
+from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, write_json
+
+# How close a re-executed job's numbers must come to the recorded ones.
+# - evaluate: every number of quality.json (metric blocks, non-finite counts, probe). The same
+#   engine on the same inputs on one CPU thread sums in one order: bit for bit (0). A GPU may pick
+#   another GEMM algorithm or reduction order between processes: relative 1e-5.
+# - time: x of each graph, within the measured spread: the larger of the two jobs' ranges of x over
+#   their paired rounds.
+QUALITY_TOLERANCE = {"cpu": 0.0, "cuda": 1e-5}
+SKIP_KEYS = {"provenance", "content_sha256", "schema", "schema_version"}
+
+
+def _leaves(doc: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted path: value} of every scalar in a JSON document, provenance and digests left out."""
+    if isinstance(doc, dict):
+        out = {}
+        for k, v in doc.items():
+            if k not in SKIP_KEYS:
+                out.update(_leaves(v, f"{prefix}{k}."))
+        return out
+    if isinstance(doc, list):
+        out = {}
+        for i, v in enumerate(doc):
+            out.update(_leaves(v, f"{prefix}{i}."))
+        return out
+    return {prefix.rstrip("."): doc}
+
+
+def compare_quality(recorded: dict[str, Any], reproduced: dict[str, Any], tolerance: float) -> list[dict[str, Any]]:
+    """Every number (or string) of two quality.json that differs beyond `tolerance` (relative)."""
+    a, b = _leaves(recorded), _leaves(reproduced)
+    diffs = []
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        numbers = isinstance(x, (int, float)) and isinstance(y, (int, float)) and not isinstance(x, bool)
+        if numbers and abs(x - y) <= tolerance * max(abs(x), abs(y)):
+            continue
+        if not numbers and x == y:
+            continue
+        diffs.append({"key": key, "recorded": x, "reproduced": y, "tolerance": tolerance})
+    return diffs
+
+
+def compare_timing(recorded: dict[str, Any], reproduced: dict[str, Any]) -> list[dict[str, Any]]:
+    """x of every graph, beyond the larger of the two jobs' round-to-round ranges of x."""
+    diffs = []
+    for g in sorted(set(recorded.get("graphs", {})) | set(reproduced.get("graphs", {}))):
+        r, p = recorded.get("graphs", {}).get(g), reproduced.get("graphs", {}).get(g)
+        if r is None or p is None or r.get("x") is None or p.get("x") is None:
+            diffs.append({"key": f"graphs.{g}.x", "recorded": r and r.get("x"), "reproduced": p and p.get("x"),
+                          "tolerance": None})
+            continue
+        spread = max(r["x_max"] - r["x_min"], p["x_max"] - p["x_min"])
+        if abs(r["x"] - p["x"]) > spread:
+            diffs.append({"key": f"graphs.{g}.x", "recorded": r["x"], "reproduced": p["x"], "tolerance": spread})
+    if recorded.get("engine_sha256") != reproduced.get("engine_sha256"):
+        diffs.append({"key": "engine_sha256", "recorded": recorded.get("engine_sha256"),
+                      "reproduced": reproduced.get("engine_sha256"), "tolerance": None})
+    return diffs
+
+
+def _device_allows(doc: dict[str, Any]) -> str | None:
+    """Why this machine cannot re-execute the job, or None: a GPU job needs the recorded GPU model."""
+    device = doc["provenance"]["params"]["target"]["device"]
+    if device == "cpu":
+        return None
+    import torch
+
+    recorded = doc["provenance"]["hardware"].get("gpu_system", {}).get("name") or doc["provenance"]["hardware"].get("gpu")
+    if not torch.cuda.is_available():
+        return f"it ran on {recorded or device}, and this machine has no GPU"
+    here = torch.cuda.get_device_name()
+    return None if here == recorded else f"it ran on {recorded}, this machine has {here}"
+
+
+def candidates(study_dir: Path) -> dict[str, list[str]]:
+    """The study's finished measurement JSONs by rule ({'evaluate': [...], 'time': [...]}), from tables.json."""
+    tables = read_json(study_dir / "tables.json", "tables")
+    found: dict[str, list[str]] = {"evaluate": [], "time": []}
+    for table, rule in (("quality", "evaluate"), ("speed", "time")):
+        for row in tables[table]:
+            if row.get("status") == "ok" and row.get("source") and row["source"] not in found[rule]:
+                found[rule].append(row["source"])
+    return found
+
+
+def choose(study_dir: Path, evaluate: int, time: int, seed: int) -> list[str]:
+    """A seeded sample: `evaluate` quality.json and `time` timing.json of the study."""
+    rng, found = random.Random(seed), candidates(study_dir)
+    return sorted(rng.sample(found["evaluate"], min(evaluate, len(found["evaluate"])))
+                  + rng.sample(found["time"], min(time, len(found["time"]))))
+
+
+# What a scratch copy leaves out or links instead of copying: the venv, git, other studies' results,
+# logs and the HF cache (linked).
+NOT_COPIED = {".git", ".venv", ".snakemake", "results", "resources", "logs"}
+
+
+def scratch_copy(study: str, scratch: Path) -> Path:
+    """The checkout as it is here (code and config copied), the study's results hard-linked (every
+    writer replaces a file by rename, so the originals are never written through a link), Snakemake's
+    metadata copied and the HF cache linked."""
+    root = Path.cwd()
+    scratch.mkdir(parents=True, exist_ok=True)
+    for entry in root.iterdir():
+        if entry.name not in NOT_COPIED:
+            if entry.is_dir():
+                shutil.copytree(entry, scratch / entry.name, symlinks=True)
+            else:
+                shutil.copy2(entry, scratch / entry.name)
+    shutil.copytree(root / "results" / study, scratch / "results" / study, copy_function=_link, dirs_exist_ok=True)
+    if (root / ".snakemake/metadata").is_dir():
+        shutil.copytree(root / ".snakemake/metadata", scratch / ".snakemake/metadata")
+    (scratch / "resources").mkdir(exist_ok=True)
+    if (root / "resources/hf-cache").exists() and not (scratch / "resources/hf-cache").exists():
+        (scratch / "resources/hf-cache").symlink_to((root / "resources/hf-cache").resolve())
+    return scratch
+
+
+def _link(src: str, dst: str) -> None:
+    Path(dst).hardlink_to(src)
+
+
+def reproduce(study_dir: str | Path, configfile: str, jobs: list[str], scratch: str | Path | None = None,
+              cores: int = 2, out: str | Path | None = None) -> dict[str, Any]:
+    """Re-execute `jobs` (measurement JSON paths of one study) in a scratch copy and compare."""
+    started, study_dir = now(), Path(study_dir)
+    scratch = Path(scratch or tempfile.mkdtemp(prefix=f"reproduce-{study_dir.name}-"))
+    report: dict[str, Any] = {"study": study_dir.name, "configfile": configfile, "scratch": str(scratch),
+                              "jobs": [], "skipped": []}
+    recorded, runnable = {}, []
+    for path in jobs:
+        try:
+            recorded[path] = read_json(path)
+        except DamagedArtifact as e:  # refused on read already: nothing to reproduce it against
+            report["skipped"].append({"path": path, "why": e.problem})
+            continue
+        why = _device_allows(recorded[path])
+        if why:
+            report["skipped"].append({"path": path, "why": why})
+        else:
+            runnable.append(path)
+    if runnable:
+        scratch_copy(study_dir.name, scratch)
+        rules = sorted({recorded[p]["provenance"]["rule"] for p in runnable})
+        # Only the measurement rules may run, on the recorded inputs: a changed param or code of an
+        # upstream rule must not rebuild what is being checked (mtime alone decides what is stale).
+        proc = devtools.snakemake(scratch, "--configfile", configfile, "--forcerun", *rules, "--allowed-rules",
+                                  *rules, "--rerun-triggers", "mtime", "--keep-going", "--", *runnable, cores=cores)
+        report["snakemake_exit"] = proc.returncode
+        if proc.returncode != 0:
+            report["snakemake_error"] = proc.stderr[-3000:]
+    for path in runnable:
+        job = {"path": path, "rule": recorded[path]["provenance"]["rule"],
+               "recorded_commit": recorded[path]["provenance"].get("workflow_commit")}
+        try:
+            new = read_json(scratch / path)
+        except (DamagedArtifact, FileNotFoundError) as e:
+            job.update(ok=False, problem=f"the re-executed job wrote no readable result: {e}")
+            report["jobs"].append(job)
+            continue
+        job["reproduced_commit"] = new["provenance"].get("workflow_commit")
+        if new.get("status") != "ok":
+            job.update(ok=False, problem=f"the re-executed job failed: {new.get('error', '')[-500:]}")
+        elif job["rule"] == "evaluate":
+            tolerance = QUALITY_TOLERANCE["cpu" if new["provenance"]["params"]["target"]["device"] == "cpu" else "cuda"]
+            job["differences"] = compare_quality(recorded[path], new, tolerance)
+            job["ok"] = not job["differences"]
+        else:
+            job["differences"] = compare_timing(recorded[path], new)
+            job["ok"] = not job["differences"]
+        report["jobs"].append(job)
+    report["ok"] = bool(report["jobs"]) and all(j["ok"] for j in report["jobs"])
+    report["provenance"] = provenance("reproduce", {p: p for p in recorded}, {"configfile": configfile}, started)
+    write_json(out or scratch / "reproduce.json", "reproduce", report)
+    return report
+
+
+def summary(report: dict[str, Any]) -> str:
+    """The report for a person: one line per job, each difference under it."""
+    lines = [f"reproduced {len(report['jobs'])} jobs of {report['study']} in {report['scratch']}"]
+    for j in report["jobs"]:
+        lines.append(f"  {'ok ' if j['ok'] else 'DIFFERS'} {j['rule']}: {j['path']}")
+        if j.get("problem"):
+            lines.append(f"      {j['problem']}")
+        for d in j.get("differences", [])[:10]:
+            lines.append(f"      {d['key']}: recorded {d['recorded']!r}, reproduced {d['reproduced']!r}"
+                         + (f" (tolerance {d['tolerance']:g})" if d["tolerance"] is not None else ""))
+        if len(j.get("differences", [])) > 10:
+            lines.append(f"      ... and {len(j['differences']) - 10} more")
+    for s in report["skipped"]:
+        lines.append(f"  skipped {s['path']}: {s['why']}")
+    lines.append("every re-executed job agrees with its record" if report["ok"] else
+                 "the records and the re-executed jobs differ" if report["jobs"] else "nothing was re-executed")
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""The audit's comparisons on small cases whose answers are known by hand."""
+
+from __future__ import annotations
+
+import copy
+
+from quantstudy.audit import probes_differ
+from quantstudy.reproduce import compare_quality, compare_timing
+
+
+def _probe(values):
+    return {"main": {"last_hidden_state": {"shape": [1, 4], "nonfinite": 0, "l2": 1.0, "values": values}}}
+
+
+def test_probes_agree_within_the_declared_share_of_their_largest_value():
+    a = _probe([1.0, -2.0, 0.5, None])
+    assert probes_differ(a, copy.deepcopy(a)) is None
+    assert probes_differ(a, _probe([1.0, -2.0, 0.5 + 1e-4, None]), tolerance=1e-3) is None   # 1e-4 <= 2e-3
+    assert "0.5 against 0.503" in probes_differ(a, _probe([1.0, -2.0, 0.503, None]), tolerance=1e-3)
+    assert "shape or non-finite count" in probes_differ(a, {"main": {"last_hidden_state": {
+        **a["main"]["last_hidden_state"], "nonfinite": 1}}})
+    assert "in one probe only" in probes_differ(a, {"main": {}})
+
+
+def test_quality_is_compared_number_by_number_and_provenance_is_not():
+    recorded = {"status": "ok", "blocks": {"mlm": {"top1": 0.75, "rows": [1, 2]}}, "provenance": {"started": "a"},
+                "content_sha256": "x"}
+    same = copy.deepcopy(recorded) | {"provenance": {"started": "b"}, "content_sha256": "y"}
+    assert compare_quality(recorded, same, 0.0) == []
+    moved = copy.deepcopy(recorded)
+    moved["blocks"]["mlm"]["rows"][1] = 3
+    assert compare_quality(recorded, moved, 0.0) == [
+        {"key": "blocks.mlm.rows.1", "recorded": 2, "reproduced": 3, "tolerance": 0.0}]
+    close = copy.deepcopy(recorded)
+    close["blocks"]["mlm"]["top1"] = 0.75 * (1 + 1e-6)
+    assert compare_quality(recorded, close, 0.0) != [] and compare_quality(recorded, close, 1e-5) == []
+
+
+def test_timing_x_is_compared_within_the_larger_round_to_round_range():
+    def timing(x, lo, hi):
+        return {"engine_sha256": {"main": "e"}, "graphs": {"main": {"x": x, "x_min": lo, "x_max": hi}}}
+
+    assert compare_timing(timing(1.10, 1.08, 1.12), timing(1.13, 1.12, 1.14)) == []        # 0.03 <= 0.04
+    [d] = compare_timing(timing(1.10, 1.09, 1.11), timing(1.20, 1.19, 1.21))               # 0.10 > 0.02
+    assert d["key"] == "graphs.main.x" and abs(d["tolerance"] - 0.02) < 1e-12
+    assert compare_timing(timing(1.1, 1.1, 1.1), {**timing(1.1, 1.1, 1.1), "engine_sha256": {"main": "f"}})[0][
+        "key"] == "engine_sha256"

@@ -26,8 +26,8 @@ implementations, project / plain, and x (baseline / candidate) of both; --out wr
 as a `torch_vs_plain` JSON. --profile adds, from the same process, a kernel profile of each of
 the four engines (quantstudy.timing.kernel_profile: the family's kernel groups and the top
 kernels with their launches per call). The most important settings run first (PRIORITY);
---budget-s stops before a setting that would not finish in time, and what ran is printed and
-written.
+--budget-s stops before a setting that would not finish in time (as long as the longest one so
+far), and what ran is printed and written; the JSON is written after every setting.
 """
 
 from __future__ import annotations
@@ -381,7 +381,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", choices=["cpu", "cuda"], help="move the run's torch target to this device")
     parser.add_argument("--profile", action="store_true", help="kernel profiles of every engine")
     parser.add_argument("--profile-calls", type=int, default=5)
-    parser.add_argument("--budget-s", type=float, help="start no setting that the last one's time says would end later")
+    parser.add_argument("--budget-s", type=float,
+                        help="start no setting after this many seconds less the longest setting's time so far")
     parser.add_argument("--calibration-samples", type=int, default=64, help="at most this many of each calibration set")
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--rounds", type=int)
@@ -405,6 +406,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     todo = plan(run, families, args.settings)
     if not todo:
         raise SystemExit(f"no timed setting of {cfg} matches families {families} and settings {args.settings}")
+    # Dynamo keeps compiled variants per code object; past the limit it would run a module eagerly,
+    # unannounced. A setting compiles four modules (the caches are reset between settings).
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     inputs = Inputs(run, args.work, args.calibration_samples)
     params = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
@@ -412,12 +415,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "rows": [], "not_run": []}
     _say(f"{len(todo)} settings on {target['target']} ({target['device']}, compile {target.get('compile', False)}): "
          + ", ".join(f"{m}/{st}" for _, m, st in todo))
-    last = 0.0
+    longest = 0.0  # the longest setting so far: what the next one is expected to take
     for i, (study, model, setting) in enumerate(todo):
         elapsed = time.perf_counter() - t0
-        if args.budget_s is not None and elapsed + last > args.budget_s:
+        if args.budget_s is not None and elapsed + longest > args.budget_s:
             doc["not_run"] = [{"model": m, "setting": st, "why": f"budget: {elapsed:.0f} s gone of {args.budget_s:g}, "
-                                                                  f"the last setting took {last:.0f} s"}
+                                                                  f"the longest setting took {longest:.0f} s"}
                               for _, m, st in todo[i:]]
             _say(f"budget: stopping before {model}/{setting}")
             break
@@ -430,8 +433,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "status": "failed", "error": traceback.format_exc()}
             _say(f"{model}/{setting} failed:\n{row['error']}")
         _free(target["device"])
-        last = time.perf_counter() - row_started
-        row["wall_s"] = round(last, 2)
+        row["wall_s"] = round(time.perf_counter() - row_started, 2)
+        longest = max(longest, row["wall_s"])
         doc["rows"].append(row)
         print(row_table(row), flush=True)
         write(args.out, doc, started, params)  # after every setting: a run cut short keeps what it measured

@@ -1,7 +1,13 @@
 """The torch backend's engines against plain torch implementations of the same math, in one process.
 
     python benchmarks/torch_vs_plain.py [--tiny] [--families fnet deberta_v2] [--settings 'fnet-base/*']
-        [--profile] [--budget-s 540] [--out torch_vs_plain.json] [--work DIR]
+        [--profile] [--budget-s 450] [--out torch_vs_plain.json] [--work DIR]
+
+On an offline H200 node (./.whl as for results/h200-torch/run.sh), from the repository root:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 python3 benchmarks/torch_vs_plain.py --profile \
+        --budget-s 450 --work /tmp/torch-vs-plain --out $OUT/torch_vs_plain.json > $OUT/torch_vs_plain.md
 
 For each timed model and setting of the run config (config/h200.yaml: real size, random weights,
 the H200 torch target; --tiny: config/config.yaml's tiny models on the CPU torch target), the

@@ -43,7 +43,6 @@ import fnmatch
 import functools
 import gc
 import logging
-import math
 import sys
 import time
 import traceback

@@ -185,7 +185,7 @@ def _region(op: Any, regions: set[str]) -> str | None:
 
 def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
     """Self time per kernel group (ms per call) and how many ops or kernels ran in it per call,
-    with the top kernels of each group.
+    with the top kernels (ms and launches or ops per call).
 
     `classify(region, name, device, op)` names the group of a CPU op or a CUDA kernel: `region` is
     the innermost annotated region (record_function) around the op that ran or launched it,
@@ -199,6 +199,7 @@ def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], region
     counts: dict[str, int] = defaultdict(int)  # over all calls, divided at the end
     group_of: dict[int, str] = {}  # CPU op (id) -> its group
     kernels: dict[tuple[str, str], float] = defaultdict(float)
+    kernel_counts: dict[tuple[str, str], int] = defaultdict(int)  # over all calls, like counts
     launched_by: dict[str, str] = {}
     for device, name, ms, op in _profiled(runner, calls):
         if name in regions:
@@ -213,12 +214,14 @@ def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], region
         counted = op is not None and (device == "cuda" or group_of.get(id(op.cpu_parent)) != group)
         counts[group] += counted
         kernels[(group, name)] += ms
+        kernel_counts[(group, name)] += counted
         if device == "cuda" and info:
             launched_by[name] = info["name"]
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
     return {"groups_ms": dict(groups), "groups_count": {g: n / calls for g, n in counts.items()}, "total_ms": sum(groups.values()),
             "profiled": "forward, kernel by kernel (no graph replay)" if _on_cuda(runner) else "forward",
-            "top_kernels": [{"group": g, "name": n, "ms": ms, "op": launched_by.get(n)} for (g, n), ms in top]}
+            "top_kernels": [{"group": g, "name": n, "ms": ms, "count": kernel_counts[(g, n)] / calls,
+                             "op": launched_by.get(n)} for (g, n), ms in top]}
 
 
 def fp8_proof(runner: Any, calls: int = 3) -> dict[str, Any]:

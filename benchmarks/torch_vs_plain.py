@@ -1,0 +1,456 @@
+"""The torch backend's engines against plain torch implementations of the same math, in one process.
+
+    python benchmarks/torch_vs_plain.py [--tiny] [--families fnet deberta_v2] [--settings 'fnet-base/*']
+        [--profile] [--budget-s 450] [--out torch_vs_plain.json] [--work DIR]
+
+On an offline H200 node (./.whl as for results/h200-torch/run.sh), from the repository root:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 python3 benchmarks/torch_vs_plain.py --profile \
+        --budget-s 450 --work /tmp/torch-vs-plain --out $OUT/torch_vs_plain.json > $OUT/torch_vs_plain.md
+
+For each timed model and setting of the run config (config/h200.yaml: real size, random weights,
+the H200 torch target; --tiny: config/config.yaml's tiny models on the CPU torch target), the
+project's baseline (fp16) and candidate (FP8) engines are made by the workflow's own step
+functions, as the `local_hub`, `fetch_checkpoint`, `fetch_dataset`, `calibrate`, `build` and
+`time` rules make them (quantstudy.steps: seeded random-init checkpoints, a short ModelOpt
+calibration on the first --calibration-samples of each calibration set, apply_variant, the torch
+backend's build and Runner). Beside them, plain implementations of the same math
+(benchmarks/plain/, which says what plain means per family) with the same weights and the same
+amax, opened by the same Runner (torch.compile and CUDA-graph replay on a GPU; eager on the CPU).
+The four engines of a setting are timed together (quantstudy.timing.time_interleaved: interleaved
+rounds, the study's warm-up, rounds and calls, median), and their outputs on the setting's example
+input compared: project against plain, fp16 with fp16 and FP8 with FP8 (same scales), as the
+relative L2 difference ||project - plain|| / ||plain|| over the whole output. The tolerance is
+fp16 rounding as measured on that output (the project's fp16 engine against the fp32 graph
+module): twice that for the fp16 pair; for the FP8 pair, what the fp16 pair differs plus half of
+what FP8 changes, for the FP8 roundings that such differences upstream of a quantizer can flip
+(`check`). FP8 against fp16 is reported beside it, so that the check is seen to tell them apart.
+
+Prints a markdown table per setting as it finishes and a summary of all of them: ms of both
+implementations, project / plain, and x (baseline / candidate) of both; --out writes the same
+as a `torch_vs_plain` JSON. --profile adds, from the same process, a kernel profile of each of
+the four engines (quantstudy.timing.kernel_profile: the family's kernel groups and the top
+kernels with their launches per call). The most important settings run first (PRIORITY);
+--budget-s stops before a setting that would not finish in time (as long as the longest one so
+far), and what ran is printed and written; the JSON is written after every setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import functools
+import gc
+import logging
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]  # the package, and plain/
+
+import torch  # noqa: E402
+
+import plain  # noqa: E402
+import plain.fp8  # noqa: E402
+from quantstudy import artifacts, config, quantization, steps, timing as qt  # noqa: E402
+from quantstudy.backends import torch_backend  # noqa: E402
+
+log = logging.getLogger("torch_vs_plain")
+
+# The issue's rows first: a budget that runs out leaves the least important ones out.
+PRIORITY = ["fnet-base/w128", "fnet-base/w256", "fnet-base/w512", "deberta-v3-base/w256", "xcit-nano/b1",
+            "xcit-tiny/b1", "deberta-v3-base/w128", "deberta-v3-base/w512", "xcit-nano/b32", "xcit-tiny/b32",
+            "deberta-v3-base/b32-w256", "deberta-v3-large/w256", "fnet-base/b8-w512"]
+def _say(msg: str, started: float = time.perf_counter()) -> None:
+    print(f"[{time.perf_counter() - started:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def setting_params(st) -> dict[str, Any]:
+    """A setting as the rules pass it to the steps."""
+    return {"name": st.name, "batch": st.batch, "shape": dict(st.shape), "quality": st.quality}
+
+
+class Inputs:
+    """The pinned inputs of a run, made by the workflow's steps into `work` (the workflow's layout,
+    under `work` instead of results/), once per process: files of an earlier run are made again."""
+
+    def __init__(self, run: config.Run, work: Path, calibration_samples: int):
+        self.run, self.work, self.calibration_samples = run, work, calibration_samples
+        self.cache = work / "hf-cache"
+        self._hub: dict[str, Path | None] = {}
+        self._made: set[Path] = set()
+        self._placed: set[tuple[str, str]] = set()  # (study, model) whose checkpoints are in the cache
+
+    def _make(self, out: Path) -> bool:
+        """Whether `out` is still to be made in this process (and from now on counts as made)."""
+        new = out not in self._made
+        self._made.add(out)
+        return new
+
+    def local_hub(self, study: config.Study, model: str) -> None:
+        """Generate the model's random-init (or tiny) checkpoint into the cache; with the study's first
+        call, also its datasets and its first model, for which the local_hub rule generates them."""
+        specs = {m["repo"]: m for m in study.local_hub_specs()["models"]}
+        fresh = study.name not in self._hub
+        names = [m for m in dict.fromkeys([next(iter(study.models)), model] if fresh else [model])
+                 if (study.name, m) not in self._placed]
+        self._placed |= {(study.name, m) for m in names}
+        models = [specs[study.models[m].repo] for m in names if study.models[m].repo in specs]
+        datasets = study.local_hub_specs()["datasets"] if fresh else []
+        if models or datasets:
+            out = self.work / study.name / ("local_hub.json" if fresh else f"local_hub-{model}.json")
+            steps.local_hub(study.family, models, datasets, str(self.cache), str(out), self.run.weights)
+            self._hub.setdefault(study.name, out)
+        self._hub.setdefault(study.name, None)
+
+    def checkpoint(self, study: config.Study, model: str) -> Path:
+        out = self.work / study.name / model / "checkpoint.json"
+        if self._make(out):
+            m = study.models[model]
+            hub_json = self._hub.get(study.name)
+            steps.fetch_checkpoint(m.repo, m.revision, str(self.cache), True, self.run.weights, str(out),
+                                   str(hub_json) if hub_json else None)
+        return out
+
+    def samples(self, study: config.Study, name: str) -> Path:
+        out = self.work / study.name / "data" / f"{name}.json"
+        if self._make(out):
+            spec = dict(study.raw["samples"][name])
+            spec["count"] = min(spec["count"], self.calibration_samples)
+            hub_json = self._hub.get(study.name)
+            steps.fetch_dataset(name, spec, study.raw["datasets"][spec["dataset"]], study.family, str(self.cache),
+                                True, str(self.checkpoint(study, next(iter(study.models)))), str(out),
+                                str(hub_json) if hub_json else None)
+        return out
+
+    def amax(self, study: config.Study, model: str, setting: str) -> Path:
+        out = self.work / study.name / model / "calib" / setting / "amax.json"
+        if self._make(out):
+            sets = [str(self.samples(study, s)) for s in config.calibration_sample_sets(study.recipe)]
+            steps.calibrate(study.family, model, setting_params(study.setting(setting)),
+                            study.models[model].architecture, study.recipe, str(self.checkpoint(study, model)),
+                            sets if len(sets) > 1 else sets[0], str(out))
+        return out
+
+
+def difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    """||a - b|| / ||b|| over the whole output (fp32), the largest |a - b|, and non-finite values."""
+    a, b = a.float().cpu(), b.float().cpu()
+    bad = int((~torch.isfinite(a)).sum() + (~torch.isfinite(b)).sum())
+    if bad:
+        return {"rel_l2": None, "max_abs": None, "nonfinite": bad}
+    norm = float(b.norm())
+    return {"rel_l2": float((a - b).norm()) / norm if norm > 0 else float((a - b).norm()),
+            "max_abs": float((a - b).abs().max()), "nonfinite": 0}
+
+
+def check(outputs: dict[str, dict[str, torch.Tensor]], reference: dict[str, torch.Tensor], baseline: str,
+          candidate: str) -> dict[str, Any]:
+    """Project against plain per variant, within tolerances from what rounding does to this output.
+
+    fp16 rounding: how far the project's baseline is from the fp32 graph module (`reference`). The
+    baseline pair may differ by twice that (two fp16 roundings in different orders). The candidate
+    pair shares its scales and carries the same rounding-order differences as the baseline pair,
+    which can flip FP8 roundings upstream of a quantizer (one FP8 step, an eighth to a sixteenth of
+    the value, each): it may differ by what the baseline pair differs plus half of what FP8 changes
+    (the project's candidate against its baseline). A plain model that computed the baseline instead
+    of FP8 would differ by that whole change, and one with other scales or layers by a share of it.
+    """
+    name = next(iter(reference))
+    out = {k: v[name] for k, v in outputs.items()}
+    rounding = difference(out[f"project {baseline}"], reference[name])
+    pairs = {v: difference(out[f"project {v}"], out[f"plain {v}"]) for v in (baseline, candidate)}
+    apart = {impl: difference(out[f"{impl} {candidate}"], out[f"{impl} {baseline}"]) for impl in ("project", "plain")}
+    tolerance = None
+    if None not in (rounding["rel_l2"], apart["project"]["rel_l2"], pairs[baseline]["rel_l2"]):
+        tolerance = {baseline: 2 * rounding["rel_l2"],
+                     candidate: pairs[baseline]["rel_l2"] + 0.5 * apart["project"]["rel_l2"]}
+    ok = tolerance is not None and all(pairs[v]["rel_l2"] is not None and pairs[v]["rel_l2"] <= tolerance[v]
+                                       for v in pairs)
+    return {"output": name, "fp16_rounding": rounding, "tolerance_rel_l2": tolerance, "project_vs_plain": pairs,
+            "candidate_vs_baseline": apart, "ok": ok}
+
+
+def fp32_outputs(family: str, snapshot: str, st, example: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    """The fp32 graph module's outputs (eager, TF32 off): what fp16 rounding is measured against."""
+    module = steps._family(family).module(snapshot, "main", st).to(device).eval()
+    with torch.no_grad():
+        out = module(**{k: v.to(device) for k, v in quantization.cast_inputs(example, "float32").items()})
+    return {k: v.float().cpu() for k, v in out.items()}
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    torch._dynamo.reset()  # each setting compiles its own modules: keep the recompile limits for them
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(study: config.Study, model: str, setting: str, target: dict[str, Any], inputs: Inputs,
+            args: argparse.Namespace) -> dict[str, Any]:
+    """Build, open, check, time (and profile) the project's and the plain baseline and candidate."""
+    seconds: dict[str, float] = {}
+    lap = time.perf_counter()
+
+    def done(what: str) -> None:
+        nonlocal lap
+        seconds[what] = round(time.perf_counter() - lap, 2)
+        lap = time.perf_counter()
+        _say(f"{model}/{setting}: {what} {seconds[what]} s")
+
+    family, st, arch = study.family, study.setting(setting), study.models[model].architecture
+    if list(steps._family(family).graphs(st, arch)) != ["main"]:
+        raise NotImplementedError(f"{family} has graphs {list(steps._family(family).graphs(st, arch))}; the plain "
+                                  f"implementations are of one-graph families")
+    baseline, candidate = study.baseline(setting), study.raw["candidate"]
+    inputs.local_hub(study, model)
+    ckpt = inputs.checkpoint(study, model)
+    amax = inputs.amax(study, model, study.calibration_setting(model, setting))
+    done("inputs (local hub, checkpoint, samples, calibration)")
+    builds = {}
+    for v in (baseline, candidate):
+        out = inputs.work / study.name / target["target"] / model / setting / v / "build.json"
+        steps.build({"target": target["target"], "model": model, "setting": setting, "variant": v}, family, target,
+                    setting_params(st), arch, study.variants[v].spec(st), study.recipe, str(ckpt),
+                    str(amax) if study.variants[v].has_fp8(st) else None, str(out))
+        builds[v] = artifacts.read_json(out, "build")
+        if builds[v]["status"] != "ok":
+            raise RuntimeError(f"the project's build of {v} failed:\n{builds[v]['error']}")
+    done("project builds")
+    snapshot = artifacts.read_json(ckpt, "checkpoint")["snapshot"]
+    example = steps._example_inputs(family, snapshot, "main", st, builds[baseline]["spec"]["precision"])
+    runners, fp8_layers = {}, {}
+    for v in (baseline, candidate):
+        runners[f"project {v}"] = steps._runners(family, builds[v], study.recipe, str(ckpt), st, target)["main"]
+        done(f"project {v}: open (compile, capture)")
+        module = plain.model(family, snapshot, st, builds[v], target["device"])
+        fp8_layers[v] = {"project": len(builds[v]["fp8_layers"]),
+                         "plain": sum(isinstance(m, plain.fp8.FP8Linear) for m in module.modules())}
+        runners[f"plain {v}"] = torch_backend.Runner(module, example, target["device"], target.get("compile", False))
+        done(f"plain {v}: open (compile, capture)")
+    outputs = {name: r(example) for name, r in runners.items()}
+    result_check = check(outputs, fp32_outputs(family, snapshot, st, example, target["device"]), baseline, candidate)
+    t = {**study.raw["timing"], **{k: v for k, v in (("warmup", args.warmup), ("rounds", args.rounds),
+                                                     ("calls_per_round", args.calls)) if v is not None}}
+    with qt.device_lock(target["device"]):
+        timed = qt.time_interleaved(runners, t["warmup"], t["rounds"], t["calls_per_round"])
+        fp8 = {impl: qt.fp8_proof(runners[f"{impl} {candidate}"]) for impl in ("project", "plain")}
+    done("check and timing")
+    row: dict[str, Any] = {
+        "study": study.name, "family": family, "model": model, "setting": setting, "batch": st.batch,
+        "shape": dict(st.shape), "baseline": baseline, "candidate": candidate, "status": "ok", "timing": t,
+        "ms": {name: r["median_ms"] for name, r in timed.items()}, "engines": timed,
+        # project / plain per variant, with its range over the paired rounds
+        "ratio": {v: qt.speedup(timed[f"project {v}"]["samples_ms"], timed[f"plain {v}"]["samples_ms"])
+                  for v in (baseline, candidate)},
+        "x": {impl: qt.speedup(timed[f"{impl} {baseline}"]["samples_ms"], timed[f"{impl} {candidate}"]["samples_ms"])
+              for impl in ("project", "plain")},
+        "check": result_check,
+        "fp8_layers": fp8_layers,
+        "fp8_gemm_calls_per_forward": {impl: p["calls_per_forward"] for impl, p in fp8.items()},
+        "fp8_kernels": {impl: p["kernels"] for impl, p in fp8.items()},
+    }
+    if args.profile:
+        fam = steps._family(family)
+        classify = functools.partial(fam.kernel_group, setting=st)
+        regions = set(fam.regions) | {quantization.FP8_REGION}
+        with qt.device_lock(target["device"]):
+            row["profile"] = {name: qt.kernel_profile(r, args.profile_calls, classify, regions)
+                              for name, r in runners.items()}
+        done("profiles")
+    row["seconds"] = seconds
+    del runners, outputs
+    return row
+
+
+# --- printing ------------------------------------------------------------------------------------
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def _x(s: dict[str, float]) -> str:
+    return f"{s['x']:.3f} ({s['x_min']:.3f} to {s['x_max']:.3f})"
+
+
+def _rel(d: dict[str, Any]) -> str:
+    return f"non-finite ({d['nonfinite']})" if d["rel_l2"] is None else f"{d['rel_l2']:.2e}"
+
+
+def _shape(row: dict[str, Any]) -> str:
+    return ", ".join([f"batch {row['batch']}"] + [f"{k} {v}" for k, v in row["shape"].items()])
+
+
+def row_table(row: dict[str, Any]) -> str:
+    head = f"### {row['family']}: {row['model']} {row['setting']} ({_shape(row)})\n"
+    if row["status"] != "ok":
+        return head + f"\n{row['status']}: {row['error'].strip().splitlines()[-1]}\n"
+    b, c, chk = row["baseline"], row["candidate"], row["check"]
+    lines = [head, "| engine | project ms | plain ms | project / plain (paired rounds) | "
+                   "outputs, project vs plain (rel. L2) |", "|---|---|---|---|---|"]
+    for v in (b, c):
+        lines.append(f"| {v} | {_ms(row['ms'][f'project {v}'])} | {_ms(row['ms'][f'plain {v}'])} | "
+                     f"{_x(row['ratio'][v])} | {_rel(chk['project_vs_plain'][v])} |")
+    lines.append(f"| x = {b} / {c} | {_x(row['x']['project'])} | {_x(row['x']['plain'])} | | |")
+    apart, tol = chk["candidate_vs_baseline"], chk["tolerance_rel_l2"] or {}
+    lines[-3] = lines[-3].rstrip(" |") + f" (tolerance {tol[b]:.2e}) |" if tol else lines[-3]
+    lines[-2] = lines[-2].rstrip(" |") + f" (tolerance {tol[c]:.2e}) |" if tol else lines[-2]
+    lines += ["", f"Outputs ({chk['output']}) {'agree' if chk['ok'] else 'DIFFER'}. fp16 rounding (project {b} "
+                  f"against the fp32 graph module): {_rel(chk['fp16_rounding'])}; {c} against {b}: project "
+                  f"{_rel(apart['project'])}, plain {_rel(apart['plain'])}. FP8 GEMMs per forward: project "
+                  f"{row['fp8_gemm_calls_per_forward']['project']:g}, plain {row['fp8_gemm_calls_per_forward']['plain']:g}. "
+                  f"FP8 layers: project {row['fp8_layers'][c]['project']}, plain {row['fp8_layers'][c]['plain']}. "
+                  f"Timing: {row['timing']['rounds']} rounds of {row['timing']['calls_per_round']} calls. "
+                  f"Seconds: {', '.join(f'{k} {v}' for k, v in row['seconds'].items())}."]
+    if "profile" in row:
+        lines.append(profile_table(row))
+    return "\n".join(lines) + "\n"
+
+
+def profile_table(row: dict[str, Any], top: int = 12) -> str:
+    prof = row["profile"]
+    names = list(prof)
+    groups = list(dict.fromkeys(g for p in prof.values() for g in p["groups_ms"]))
+    lines = ["", f"Kernel time per call, ms (count per call), {prof[names[0]]['profiled']}:", "",
+             "| group | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for g in groups:
+        cells = [f"{p['groups_ms'].get(g, 0):.4f} ({p.get('groups_count', {}).get(g, 0):g})" for p in prof.values()]
+        lines.append(f"| {g} | " + " | ".join(cells) + " |")
+    lines.append("| total | " + " | ".join(f"{p['total_ms']:.4f}" for p in prof.values()) + " |")
+    for name, p in prof.items():
+        lines += ["", f"Top kernels, {name}:", "", "| ms | count | group | kernel |", "|---|---|---|---|"]
+        lines += [f"| {k['ms']:.4f} | {k.get('count', 0):g} | {k['group']} | `{k['name'][:90]}` |"
+                  for k in p["top_kernels"][:top]]
+    return "\n".join(lines)
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["## torch backend against plain torch", "",
+             "| family | model | setting | project fp16 ms | plain fp16 ms | ratio | project FP8 ms | plain FP8 ms | "
+             "ratio | x project | x plain | outputs |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['family']} | {r['model']} | {r['setting']} | {r['status']} |" + " |" * 8)
+            continue
+        b, c = r["baseline"], r["candidate"]
+        lines.append(f"| {r['family']} | {r['model']} | {r['setting']} | {_ms(r['ms'][f'project {b}'])} | "
+                     f"{_ms(r['ms'][f'plain {b}'])} | {r['ratio'][b]['x']:.3f} | {_ms(r['ms'][f'project {c}'])} | "
+                     f"{_ms(r['ms'][f'plain {c}'])} | {r['ratio'][c]['x']:.3f} | {r['x']['project']['x']:.3f} | "
+                     f"{r['x']['plain']['x']:.3f} | {'ok' if r['check']['ok'] else 'DIFFER'} |")
+    return "\n".join(lines) + "\n"
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+def plan(run: config.Run, families: list[str] | None, patterns: list[str] | None) -> list[tuple[config.Study, str, str]]:
+    """(study, model, setting) of every timed setting the filters keep, PRIORITY first."""
+    rows = [(s, m, st) for s in run.studies.values() if families is None or s.family in families
+            for m, st in s.model_settings(timed_only=True) if patterns is None
+            or any(fnmatch.fnmatchcase(f"{m}/{st}", p) for p in patterns)]
+    rank = {key: i for i, key in enumerate(PRIORITY)}
+    return sorted(rows, key=lambda r: rank.get(f"{r[1]}/{r[2]}", len(rank)))
+
+
+def torch_target(run: config.Run, device: str | None) -> dict[str, Any]:
+    """The run's torch target as the rules pass it; `device` moves it (compiled on CUDA only)."""
+    name, t = next(((n, t) for n, t in run.targets.items() if t.backend == "torch"), (None, None))
+    if t is None:
+        raise SystemExit(f"the run {run.name} has no torch target")
+    target = {"target": name, **vars(t)}
+    target.pop("name")
+    if device and device != t.device:
+        target.update(target=f"{device}-torch", device=device, compile=device == "cuda")
+    if target["device"] == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"target {name} runs on CUDA and torch sees no GPU here; on a CPU use --tiny")
+    return target
+
+
+def write(out: Path | None, doc: dict[str, Any], started: str, params: dict[str, Any]) -> None:
+    if out:
+        artifacts.write_json(out, "torch_vs_plain", {**doc, "provenance": artifacts.provenance(
+            "benchmarks/torch_vs_plain.py", {}, params, started)})
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="config/config.yaml's tiny models (CPU checks)")
+    parser.add_argument("--config", type=Path, help="run config (default: config/h200.yaml, --tiny config/config.yaml)")
+    parser.add_argument("--families", nargs="+", help="families to run (default: every one with a plain model)")
+    parser.add_argument("--settings", nargs="+", help="model/setting patterns, e.g. fnet-base/w128 'xcit-*/b1'")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="move the run's torch target to this device")
+    parser.add_argument("--profile", action="store_true", help="kernel profiles of every engine")
+    parser.add_argument("--profile-calls", type=int, default=5)
+    parser.add_argument("--budget-s", type=float,
+                        help="start no setting after this many seconds less the longest setting's time so far")
+    parser.add_argument("--calibration-samples", type=int, default=64, help="at most this many of each calibration set")
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--calls", type=int, help="calls per round")
+    parser.add_argument("--work", type=Path, default=ROOT / "results" / "torch-vs-plain",
+                        help="where the steps write checkpoints, samples, amax and engines")
+    parser.add_argument("--out", type=Path, help="write the rows as a torch_vs_plain JSON")
+    parser.add_argument("-v", "--verbose", action="store_true", help="the steps' own log lines")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    started, t0 = artifacts.now(), time.perf_counter()
+    steps._deterministic()  # TF32 off (FNet's fp32 sequence DFT stays fp32), as the build and time steps run
+    cfg = args.config or ROOT / ("config/config.yaml" if args.tiny else "config/h200.yaml")
+    run = config.load_run(yaml.safe_load(cfg.read_text()))
+    families = args.families or [f for f in plain.FAMILIES if any(s.family == f for s in run.studies.values())]
+    unknown = sorted(set(families) - set(plain.FAMILIES))
+    if unknown:
+        raise SystemExit(f"no plain implementation of {', '.join(unknown)}; there are {', '.join(plain.FAMILIES)}")
+    target = torch_target(run, args.device)
+    todo = plan(run, families, args.settings)
+    if not todo:
+        raise SystemExit(f"no timed setting of {cfg} matches families {families} and settings {args.settings}")
+    # Dynamo keeps compiled variants per code object; past the limit it would run a module eagerly,
+    # unannounced. A setting compiles four modules (the caches are reset between settings).
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+    inputs = Inputs(run, args.work, args.calibration_samples)
+    params = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    doc: dict[str, Any] = {"run": run.name, "weights": run.weights, "config": str(cfg), "target": target,
+                           "rows": [], "not_run": []}
+    _say(f"{len(todo)} settings on {target['target']} ({target['device']}, compile {target.get('compile', False)}): "
+         + ", ".join(f"{m}/{st}" for _, m, st in todo))
+    longest = 0.0  # the longest setting so far: what the next one is expected to take
+    for i, (study, model, setting) in enumerate(todo):
+        elapsed = time.perf_counter() - t0
+        if args.budget_s is not None and elapsed + longest > args.budget_s:
+            doc["not_run"] = [{"model": m, "setting": st, "why": f"budget: {elapsed:.0f} s gone of {args.budget_s:g}, "
+                                                                  f"the longest setting took {longest:.0f} s"}
+                              for _, m, st in todo[i:]]
+            _say(f"budget: stopping before {model}/{setting}")
+            break
+        row_started = time.perf_counter()
+        try:
+            row = measure(study, model, setting, target, inputs, args)
+        except Exception:
+            row = {"study": study.name, "family": study.family, "model": model, "setting": setting,
+                   "batch": study.setting(setting).batch, "shape": dict(study.setting(setting).shape),
+                   "status": "failed", "error": traceback.format_exc()}
+            _say(f"{model}/{setting} failed:\n{row['error']}")
+        _free(target["device"])
+        row["wall_s"] = round(time.perf_counter() - row_started, 2)
+        longest = max(longest, row["wall_s"])
+        doc["rows"].append(row)
+        print(row_table(row), flush=True)
+        write(args.out, doc, started, params)  # after every setting: a run cut short keeps what it measured
+    doc["wall_s"] = round(time.perf_counter() - t0, 2)
+    print(summary_table(doc["rows"]), flush=True)
+    for r in doc["not_run"]:
+        print(f"not run: {r['model']}/{r['setting']} ({r['why']})")
+    write(args.out, doc, started, params)
+    return doc
+
+
+if __name__ == "__main__":
+    result = main()
+    sys.exit(0 if all(r["status"] == "ok" and r["check"]["ok"] for r in result["rows"]) else 1)

@@ -1,0 +1,93 @@
+"""benchmarks/torch_vs_plain.py on the tiny models (CPU): the project's engines, made by the workflow's
+steps, against the plain Transformers / timm implementations of the same math."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantstudy import artifacts
+
+ROOT = Path(__file__).resolve().parent.parent
+ONE_SETTING_PER_FAMILY = ["fnet-base/w512", "deberta-v3-base/w256", "xcit-nano/b1"]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("torch_vs_plain", ROOT / "benchmarks" / "torch_vs_plain.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_run(bench, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("torch_vs_plain")
+    doc = bench.main(["--tiny", "--device", "cpu", "--settings", *ONE_SETTING_PER_FAMILY, "--work", str(tmp / "work"),
+                      "--out", str(tmp / "out.json"), "--warmup", "1", "--rounds", "3", "--calls", "1", "--profile",
+                      "--profile-calls", "1"])
+    return doc, tmp / "out.json"
+
+
+def test_project_and_plain_compute_the_same_outputs(tiny_run):
+    doc, _ = tiny_run
+    assert [(r["model"], r["setting"]) for r in doc["rows"]] == [tuple(s.split("/")) for s in ONE_SETTING_PER_FAMILY]
+    for row in doc["rows"]:
+        assert row["status"] == "ok", row.get("error")
+        chk, b, c = row["check"], row["baseline"], row["candidate"]
+        assert chk["ok"], (row["model"], row["setting"], chk)
+        # Not vacuous: FP8 changes the output of both implementations by more than the candidate's
+        # tolerance, so a plain FP8 model that computed fp16 would fail the check.
+        for impl in ("project", "plain"):
+            assert chk["candidate_vs_baseline"][impl]["rel_l2"] > chk["tolerance_rel_l2"][c], (row["model"], impl, chk)
+        assert row["fp8_layers"][c]["plain"] == row["fp8_layers"][c]["project"] > 0
+        assert row["fp8_layers"][b] == {"project": 0, "plain": 0}
+        assert all(ms > 0 for ms in row["ms"].values()) and len(row["ms"]) == 4
+        assert set(row["profile"]) == set(row["ms"])
+    fnet = doc["rows"][0]
+    assert fnet["baseline"] == "fp16-hs"  # the 1/64 hidden scaling at 512 tokens, in both implementations
+    # Eager on one CPU thread, Transformers' DeBERTa and the project's restatement run the same ops on the
+    # same shapes: equal to the bit. Positional products in FP8 (the recipe's exclude_calls ignored)
+    # would differ by 2e-4 here, below fp16 rounding and so within the tolerance.
+    deberta = doc["rows"][1]
+    assert [p["rel_l2"] for p in deberta["check"]["project_vs_plain"].values()] == [0.0, 0.0]
+
+
+def test_the_json_is_an_artifact_and_the_tables_name_every_setting(bench, tiny_run):
+    doc, out = tiny_run
+    written = artifacts.read_json(out, "torch_vs_plain")
+    assert [r["model"] for r in written["rows"]] == [r["model"] for r in doc["rows"]]
+    table = bench.summary_table(doc["rows"])
+    for row in doc["rows"]:
+        assert f"| {row['family']} | {row['model']} | {row['setting']} |" in table
+        assert "ok |" in table
+
+
+def test_check_fails_a_plain_candidate_that_computes_the_baseline(bench):
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(4, 64, generator=g)
+    fp16 = ref + 1e-3 * torch.randn(4, 64, generator=g)
+    fp8 = fp16 + 3e-2 * torch.randn(4, 64, generator=g)
+    good = {"project fp16": {"y": fp16}, "plain fp16": {"y": fp16}, "project fp8": {"y": fp8},
+            "plain fp8": {"y": fp8 + 1e-4 * torch.randn(4, 64, generator=g)}}
+    assert bench.check(good, {"y": ref}, "fp16", "fp8")["ok"]
+    lazy = {**good, "plain fp8": {"y": fp16}}
+    assert not bench.check(lazy, {"y": ref}, "fp16", "fp8")["ok"]
+    nan = {**good, "plain fp16": {"y": torch.full_like(fp16, float("nan"))}}
+    assert not bench.check(nan, {"y": ref}, "fp16", "fp8")["ok"]
+
+
+def test_budget_stops_cleanly_before_a_setting_and_keeps_the_issue_order(bench, tmp_path, capsys):
+    doc = bench.main(["--tiny", "--device", "cpu", "--budget-s", "0", "--work", str(tmp_path / "work"),
+                      "--out", str(tmp_path / "out.json")])
+    assert doc["rows"] == []
+    planned = [f"{r['model']}/{r['setting']}" for r in doc["not_run"]]
+    assert planned[:5] == ["fnet-base/w128", "fnet-base/w256", "fnet-base/w512", "deberta-v3-base/w256", "xcit-nano/b1"]
+    assert all("budget" in r["why"] for r in doc["not_run"])
+    assert artifacts.read_json(tmp_path / "out.json", "torch_vs_plain")["not_run"] == doc["not_run"]
+    assert "not run: fnet-base/w128" in capsys.readouterr().out

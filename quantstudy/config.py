@@ -201,6 +201,8 @@ def _validate(doc: Any, schema_file: str, where: str) -> None:
                 msg = (f"revision {e.instance!r} is not pinned: give the full 40-hex commit (or, as a write-up "
                        "gives it, a short hash of at least 7 lower-case hex digits, which the lock step resolves), "
                        "not a branch or tag")
+            elif e.validator == "oneOf" and "description" in e.schema:  # "not valid under any of the given schemas"
+                msg = f"{e.instance!r}: expected {e.schema['description']}"
             else:
                 msg = e.message
             lines.append(f"  {where}: {path}: {msg}")

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 import pandas as pd
 
 from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, write_json
-from quantstudy.config import shape_of
+from quantstudy.config import PUBLISHED_KEYS, UNIT_SCALE, load_published, shape_of
 from quantstudy.render import value_range
 
 log = logging.getLogger("quantstudy")
@@ -159,6 +159,71 @@ def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame]) -> dict[str, 
     return {"candidate": cand, "ship": all(c["pass"] for c in conditions), "conditions": conditions}
 
 
+def _cell(row: dict[str, Any], column: str) -> Any:
+    """A row's value of `column`, or of `a.b` where the row has a dict column `a` (groups_ms.<group>)."""
+    if column in row:
+        return row[column]
+    head, _, key = column.partition(".")
+    return row[head].get(key) if isinstance(row.get(head), dict) else None
+
+
+def _beyond(difference: float, published: float, tolerance: dict[str, float]) -> bool:
+    bound = tolerance["absolute"] if "absolute" in tolerance else tolerance["relative"] * abs(published)
+    return abs(difference) > bound + 1e-9 * max(1.0, abs(published))  # a printed 1.05 vs 1.07 is 0.02, not more
+
+
+def _reproducing_rows(entry: dict[str, Any], rows: list[dict[str, Any]], weights: str, published_weights: str,
+                      run_targets: Iterable[str]) -> tuple[list[dict[str, Any]], str | None]:
+    """The rows of this run's table that reproduce a published number, or why there are none."""
+    if weights != published_weights:
+        return [], f"this run's weights are {weights}, not the write-up's ({published_weights})"
+    keys = {k: [entry[k]] if isinstance(entry[k], str) else entry[k] for k in PUBLISHED_KEYS if entry[k] is not None}
+    missing = [t for t in keys.get("target", []) if t not in run_targets]
+    if missing:
+        return [], f"target {', '.join(missing)} is not in this run"
+    matched = [r for r in rows if all(r.get(k) in names for k, names in keys.items())]
+    absent = [f"{k} {n}" for k, names in keys.items() for n in names if not any(r.get(k) == n for r in matched)]
+    if absent:
+        return [], f"no row of {', '.join(absent)} in this run"
+    return matched, None
+
+
+def compare_published(published: dict[str, Any], tables: dict[str, list[dict[str, Any]]], weights: str,
+                      run_targets: Iterable[str]) -> list[dict[str, Any]]:
+    """Each published number beside the value this run measured on its row(s): both as ranges in the
+    write-up's units (one row and one printed number: min = max), their difference per end, and
+    whether it is beyond the file's tolerance for its kind. A number this run cannot reproduce says why."""
+    out = []
+    for e in published["entries"]:
+        row = {"table": e["table"], "column": e["column"], **{k: e[k] for k in PUBLISHED_KEYS},
+               "units": e["units"], "kind": e["kind"], **{f"tolerance_{k}": v for k, v in e["tolerance"].items()},
+               "printed": e["printed"], "published_min": e["min"], "published_max": e["max"], "note": e["note"],
+               "published_source": e["source"], "source": None, "reproduced_from": [],
+               "sources": {"published_min": published["file"], "published_max": published["file"]},
+               "status": "not reproduced here", "reason": None, "reproduced_min": None, "reproduced_max": None,
+               "difference_min": None, "difference_max": None, "beyond_tolerance": None}
+        matched, reason = _reproducing_rows(e, tables[e["table"]], weights, published["weights"], run_targets)
+        row["reason"] = reason
+        if matched:
+            row["reproduced_from"] = [r["source"] for r in matched]
+            row["source"] = matched[0]["source"] if len(matched) == 1 else None
+            failed = [r for r in matched if r.get("status", "ok") != "ok"]
+            values = [_cell(r, e["column"]) for r in matched]
+            measured = value_range(v * UNIT_SCALE.get(e["units"], 1.0) for v in values if v is not None)
+            if failed:
+                row.update(status="failed here", reason="; ".join(sorted({f"{r['source']}: {r.get('error')}" for r in failed})))
+            elif measured is None or measured["n"] < len(values):  # a NaN metric (fp16 at 512) is not a value
+                row.update(status="not measured here",
+                           reason=f"{len(values) - (measured or {'n': 0})['n']} of {len(values)} rows have no value of {e['column']}")
+            else:
+                d_min, d_max = measured["min"] - e["min"], measured["max"] - e["max"]
+                row.update(status="reproduced", reproduced_min=measured["min"], reproduced_max=measured["max"],
+                           difference_min=d_min, difference_max=d_max,
+                           beyond_tolerance=_beyond(d_min, e["min"], e["tolerance"]) or _beyond(d_max, e["max"], e["tolerance"]))
+        out.append(row)
+    return out
+
+
 def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[str, str], run: dict[str, Any],
               targets: dict[str, dict[str, Any]], out: str) -> None:
     started = now()
@@ -188,6 +253,10 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
                     "largest_ratio": a["outliers"]["largest_ratio"], "outliers": a["outliers"]["layers"],
                     "ratio": a["outliers"]["ratio"], "samples": a["calibration"]["samples"], "source": a["source"]}
                    for a in amax]
+    published = load_published(inputs["published"][0]) if inputs.get("published") else None
+    published_rows = [] if published is None else compare_published(
+        published, {"speed": _records(speed), "quality": _records(quality), "builds": _records(builds),
+                    "kernels": _records(kernels), "references": references}, run["weights"], targets)
     write_json(out, "tables", {
         "study": study["study"], "title": study["title"], "family": study["family"],
         "description": study.get("description", ""), "run": run, "targets": targets, "baselines": baselines,
@@ -198,5 +267,8 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
         "speed": _records(speed), "quality": _records(quality), "builds": _records(builds),
         "kernels": _records(kernels), "references": references, "calibration": calibration,
         "decision": decide(study, {"speed": speed, "quality": quality}), "damaged": damaged,
+        "published": published_rows,
+        "published_from": None if published is None else {k: published[k] for k in ("file", "seed", "weights", "runs",
+                                                                                      "tolerances")},
         "provenance": provenance("aggregate", {f"{k}[{i}]": p for k, v in inputs.items() for i, p in enumerate(v)},
                                  {"study": study["study"], "run": run}, started)})

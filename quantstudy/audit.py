@@ -174,17 +174,20 @@ class AuditFailed(RuntimeError):
 
 # --- one number's chain ---------------------------------------------------------------------
 
-TABLES = ("speed", "quality", "builds", "kernels", "references", "calibration")
+TABLES = ("speed", "quality", "builds", "kernels", "references", "calibration", "published")
 
 
 def find_number(tables: dict[str, Any], text: str) -> list[dict[str, Any]]:
     """The table cells of tables.json that the README shows as `text`, in any of the number formats
-    the templates use: {table, row label, column, value, source}."""
+    the templates use: {table, row label, column, value, source}. A row's `sources` name the file of
+    a column that is not the row's (a published number: its config/published file)."""
     from quantstudy import render
 
+    # render.like prints a published number's neighbours in its notation: fixed or e, any precision.
     formats = (render.ms, render.times, render.pct, render.sci, render.num, render.count,
-               lambda v: render.num(v, 2), lambda v: render.num(v, 5), lambda v: f"{v:.1f}")
-    want = text.strip().rstrip("x%").replace(",", "") if not text.strip().endswith("%") else text.strip()
+               *(lambda v, d=d: f"{v:.{d}f}" for d in range(7)), *(lambda v, d=d: f"{v:.{d}e}" for d in range(4)))
+    text = text.strip().lstrip("+")  # a difference is shown signed
+    want = text.rstrip("x%").replace(",", "") if not text.endswith("%") else text
     hits = []
     for table in TABLES:
         for row in tables.get(table) or []:
@@ -199,8 +202,10 @@ def find_number(tables: dict[str, Any], text: str) -> list[dict[str, Any]]:
                         pass
                 if want in shown:
                     label = ", ".join(str(row[k]) for k in ("target", "model", "setting", "variant", "graph") if row.get(k))
+                    if row.get("published_source"):
+                        label += " (published as {row} / {column})".format(**row["published_source"])
                     hits.append({"table": table, "row": label, "column": column, "value": value,
-                                 "source": row.get("source")})
+                                 "source": (row.get("sources") or {}).get(column, row.get("source"))})
     return hits
 
 

@@ -28,6 +28,11 @@ SETTING_KEYS = ("batch", "quality", "engine")
 # One empty file per study config that passed the checks against the code (see _code_check_key).
 CODE_CHECKS = ROOT / ".snakemake" / "quantstudy" / "checked-against-code"
 
+# The keys of a published number's row in tables.json, and what a column's value is multiplied by to
+# be in the units the write-up prints (a fraction as %, bytes as MiB).
+PUBLISHED_KEYS = ("target", "model", "setting", "variant", "graph")
+UNIT_SCALE = {"%": 100.0, "MiB": 2.0 ** -20}
+
 # Bumped whenever the tiny-fixture generators change what they write: it is part of the
 # content hash that serves as the tiny checkpoints' and datasets' pinned revision.
 TINY_GENERATOR_VERSION = 1
@@ -103,6 +108,7 @@ class Study:
 
     # target -> {"settings": [...], "variants": [...]} (a missing key: all); empty: every target, all of it
     targets: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    published: str | None = None  # config/published/<study>.yaml, checked against the study when loaded
 
     @property
     def recipe(self) -> dict[str, Any]:
@@ -195,6 +201,8 @@ def _validate(doc: Any, schema_file: str, where: str) -> None:
                 msg = (f"revision {e.instance!r} is not pinned: give the full 40-hex commit (or, as a write-up "
                        "gives it, a short hash of at least 7 lower-case hex digits, which the lock step resolves), "
                        "not a branch or tag")
+            elif e.validator == "oneOf" and "description" in e.schema:  # "not valid under any of the given schemas"
+                msg = f"{e.instance!r}: expected {e.schema['description']}"
             else:
                 msg = e.message
             lines.append(f"  {where}: {path}: {msg}")
@@ -261,7 +269,16 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
     doc = merged_study_doc(spec_path, overrides)
     where = " + ".join(str(p) for p in [spec_path, *_override_list(overrides)])
     _validate(doc, "study.schema.yaml", where)
-    return _build_study(_locked(doc, where), where, against_code)
+    study = _build_study(_locked(doc, where), where, against_code)
+    if study.published:
+        # Against the spec as well as this run's doc: a tiny run's overrides may leave out a model
+        # the write-up measured, whose numbers are then listed as not reproduced here.
+        problems = _published_problems(load_published(study.published), [_load_yaml(_path(spec_path)), doc],
+                                       study.name)
+        if problems:
+            raise ConfigError(f"invalid published numbers ({study.published}, study {where}):\n"
+                              + "\n".join(f"  {p}" for p in problems))
+    return study
 
 
 def _override_list(overrides: str | Path | list[str] | None) -> list:
@@ -400,7 +417,81 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
     if problems:
         raise ConfigError(f"invalid study ({where}):\n" + "\n".join(f"  {p}" for p in problems))
     return Study(doc["study"], doc["family"], models, settings, datasets, variants, doc,
-                 {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()})
+                 {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()}, doc.get("published"))
+
+
+def _names(value: str | list[str] | None) -> list[str]:
+    """A published key's names: one, a list, or none (the key matches every row)."""
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def load_published(path: str | Path) -> dict[str, Any]:
+    """A published-numbers file (config/published/<study>.yaml), validated, each seed table's cells
+    flattened into one entry: what it is, the keys of its row in tables.json, its value as printed and
+    as a range {min, max}, units, tolerance and source (seed, section, table title, row, column)."""
+    doc = _load_yaml(_path(path))
+    _validate(doc, "published.schema.yaml", str(path))
+    entries, problems = [], []
+    for t in doc["tables"]:
+        for r in t["rows"]:
+            where = f"{t['title']!r}, row {r['row']!r}"
+            problems += [f"{where}: columns names {c!r}, which the row gives no value for"
+                         for c in r.get("columns", {}) if c not in r["values"]]
+            for label, value in r["values"].items():
+                col = t["columns"].get(label)
+                if col is None:
+                    problems.append(f"{where}: value of column {label!r}, which the table's columns do not name; "
+                                    f"its columns: {', '.join(t['columns'])}")
+                    continue
+                keys = {**t.get("keys", {}), **col.get("keys", {}), **r.get("keys", {}), **r.get("columns", {}).get(label, {})}
+                printed = [value] if isinstance(value, str) else list(value)
+                low, high = (float(v.replace(",", "")) for v in (printed[0], printed[-1]))
+                if low > high:
+                    problems.append(f"{where}, column {label!r}: the range {printed[0]} to {printed[-1]} runs backwards")
+                if col["kind"] not in doc["tolerances"]:
+                    problems.append(f"{where}, column {label!r}: kind {col['kind']!r} has no tolerance; "
+                                    f"tolerances: {', '.join(doc['tolerances'])}")
+                if t["table"] != "references" and "target" not in keys:
+                    problems.append(f"{where}, column {label!r}: no target (a {t['table']} row is measured on one)")
+                entries.append({"table": t["table"], "column": col["column"],
+                                **{k: keys.get(k) for k in PUBLISHED_KEYS},
+                                "units": col["units"], "kind": col["kind"], "tolerance": doc["tolerances"].get(col["kind"]),
+                                "printed": printed, "min": low, "max": high, "note": r.get("note"),
+                                "source": {"seed": doc["seed"], "section": t["section"], "title": t["title"],
+                                           "row": r["row"], "column": label}})
+    if problems:
+        raise ConfigError(f"invalid published numbers ({path}):\n" + "\n".join(f"  {p}" for p in problems))
+    return {"file": str(path), **{k: doc[k] for k in ("study", "seed", "weights", "runs", "tolerances")},
+            "entries": entries}
+
+
+def _published_problems(published: dict[str, Any], docs: list[dict[str, Any]], study: str) -> list[str]:
+    """Each key of each published number names a model, setting and variant of the study, and a
+    target the study runs on in one of the run configs the file names (`runs`)."""
+    if published["study"] != study:
+        return [f"the file is about study {published['study']!r}, not {study!r}"]
+    problems, targets = [], []
+    for run_path in published["runs"]:
+        run = _load_yaml(_path(run_path))
+        entry = (run.get("studies") or {}).get(study)
+        if entry is None:
+            problems.append(f"runs names {run_path}, which does not run study {study!r}")
+            continue
+        spec = merged_study_doc(entry["spec"], entry.get("overrides"))
+        docs = [*docs, spec]
+        targets += [t for t in run.get("targets") or {} if not spec.get("targets") or t in spec["targets"]]
+    known = {"target": targets, "model": [m for d in docs for m in d.get("models") or {}],
+             "setting": [s for d in docs for s in d.get("settings") or {}],
+             "variant": [v for d in docs for v in d.get("variants") or {}]}
+    for e in published["entries"]:
+        for key, names in known.items():
+            for name in _names(e[key]):
+                if name not in names:
+                    s = e["source"]
+                    problems.append(f"{s['title']!r}, row {s['row']!r}, column {s['column']!r}: {key} {name!r} is no "
+                                    f"{key} of study {study}" + (f" on {', '.join(published['runs'])}" if key == "target" else "")
+                                    + f"; its {key}s: {', '.join(dict.fromkeys(names))}")
+    return problems
 
 
 def _engine_of(settings: dict[str, dict[str, Any]], name: str) -> str:

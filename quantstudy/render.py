@@ -62,6 +62,24 @@ def count(v) -> str:
     return "-" if v is None else f"{int(v):,}"
 
 
+def like(v, printed: str, signed: bool = False, units: str = "") -> str:
+    """`v` in the notation and precision the write-up printed a number in (0.752, 5.9e-06, 69,042);
+    a percentage with at least two decimals (a printed 100% next to 99.85%)."""
+    if v is None:
+        return "-"
+    mantissa, e, _ = printed.lower().partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    if units == "%":
+        decimals = max(decimals, 2)
+    sign = "+" if signed else ""
+    return f"{v:{sign}.{decimals}e}" if e else f"{v:{sign}{',' if ',' in printed else ''}.{decimals}f}"
+
+
+def cell_text(text) -> str:
+    """Text inside a Markdown table cell: a pipe would end the cell."""
+    return str(text).replace("|", "\\|")
+
+
 def span(r: dict | None, fmt=times, unit: str = "") -> str:
     """'a to b' (or 'a') from a computed range."""
     if not r:
@@ -139,7 +157,26 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "kernels": kernels, "kernel_groups": t["kernel_groups"], "failures": failures, "damaged": t.get("damaged", []),
         "gpus": sorted({r["gpu"] for r in t["speed"]}), "decision": t["decision"],
         "variant_summary": variant_summary, "references": references, "several_graphs": len(graphs) > 1,
+        "published": _published_view(t),
     }
+
+
+def _published_view(t: dict[str, Any]) -> dict[str, Any] | None:
+    """The write-up's published numbers beside this run's, grouped by the write-up's table (or
+    sentence) they are printed in, in the file's order; with the counts and, where every number
+    is unreproduced for one reason, that reason."""
+    if not t.get("published_from"):
+        return None
+    rows = t["published"]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["published_source"]["section"], r["published_source"]["title"]), []).append(r)
+    reproduced = [r for r in rows if r["status"] == "reproduced"]
+    reasons = {r["reason"] for r in rows if r["status"] != "reproduced"}
+    return {"from": t["published_from"], "n": len(rows), "reproduced": len(reproduced),
+            "beyond": sum(bool(r["beyond_tolerance"]) for r in reproduced),
+            "reason": next(iter(reasons)) if len(reasons) == 1 and not reproduced else None,
+            "groups": [{"section": s, "title": title, "rows": g} for (s, title), g in groups.items()]}
 
 
 def _by_graph(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, Any]]]:
@@ -165,8 +202,8 @@ def shape_label(shape: dict[str, Any]) -> str:
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    formats = dict(ms=ms, times=times, pct=pct, sci=sci, num=num, count=count)
-    env.filters.update(span=span, **formats)
+    formats = dict(ms=ms, times=times, pct=pct, sci=sci, num=num, count=count, like=like)
+    env.filters.update(span=span, cell_text=cell_text, **formats)
     env.globals.update(shape_label=shape_label, **formats)  # so macros can take a format as an argument
     return env
 

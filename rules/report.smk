@@ -10,6 +10,7 @@ rule aggregate:
         references=lambda w: [f"results/{w.study}/{m}/{s}/reference.json" for m, s in study(w).model_settings(True)],
         amax=lambda w: [amax_json(w.study, m, s) for m in study(w).models for s in study(w).calibration_settings(m)],
         checkpoints=lambda w: [f"results/{w.study}/{m}/checkpoint.json" for m in study(w).models],
+        published=lambda w: [study(w).published] if study(w).published else [],
     output:
         tables="results/{study}/tables.json",
     params:

@@ -317,3 +317,35 @@ def test_a_tampered_revision_fails_the_audit(workflow_copy, tmp_path):
     assert f"says revision {'0' * 40}, but its snapshot is commit {pinned}" in proc.stdout
     assert (f"results/fnet/fnet-base/checkpoint.json: fetched quantstudy-tiny/fnet-base at {'0' * 40}, but the "
             f"study pins {pinned}") in proc.stdout
+
+
+def test_the_readme_lists_the_published_numbers_none_reproduced_on_tiny_models(workflow_copy):
+    """A tiny run reproduces none of the write-up's B200 / B300 numbers: one line says so, and every
+    published value is still listed with where it is printed; the audit traces one to its file."""
+    readme = (workflow_copy / "results/fnet/README.md").read_text()
+    assert ("**This run reproduces none of them**: this run's weights are tiny-random-init, not the write-up's "
+            "(checkpoint). A run of `config/b200.yaml` or `config/b300.yaml` reproduces them") in readme
+    assert "| base, 512 \\| B200 | fp32 | speed `variant_ms`: b200-trt11.4, fnet-base, w512, fp32 | ms | 2.838 |" in readme
+    tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
+    assert tables["published_from"]["file"] == "config/published/fnet.yaml"
+    assert {r["status"] for r in tables["published"]} == {"not reproduced here"}
+    assert tables["provenance"]["inputs"]["published[0]"]["path"] == "config/published/fnet.yaml"
+    proc = _audit_cli(workflow_copy, "chain", "results/fnet/README.md", "2.838")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ("published table, row b200-trt11.4, fnet-base, w512, fp32 (published as base, 512 | B200 / fp32), "
+            "column published_min = 2.838, from config/published/fnet.yaml") in proc.stdout
+
+
+def test_editing_the_published_numbers_reruns_aggregate_render_and_audit(workflow_copy):
+    import os
+
+    path = workflow_copy / "config/published/fnet.yaml"
+    original, stat = path.read_text(), path.stat()
+    try:
+        path.write_text(original.replace('fp32: "2.838"', 'fp32: "2.839"', 1))
+        proc = snakemake(workflow_copy, "-n", "--configfile", ".test/config.yaml")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert sorted(rule for rule, _ in planned_jobs(proc.stdout + proc.stderr)) == ["aggregate", "all", "audit", "render"]
+    finally:
+        path.write_text(original)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))

@@ -1,0 +1,239 @@
+"""Published vs reproduced: the write-ups' numbers as data (config/published/), checked when the
+study is loaded, compared with this run's rows in aggregate and rendered in every study's README."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import yaml
+
+from quantstudy import aggregate, render
+from quantstudy import config as qc
+
+from conftest import ROOT
+
+STUDIES = ("fnet", "deberta_v2", "timm_xcit")
+# The committed H200 evidence (real-size random weights): real tables of all three studies, rendered
+# here without running the DAG again.
+EVIDENCE = {"fnet": "results/h200-torch/results/fnet/tables.json",
+            "deberta_v2": "results/h200-torch-issue9/results/deberta_v2/tables.json",
+            "timm_xcit": "results/h200-torch-issue9/results/timm_xcit/tables.json"}
+
+
+def published_doc(study: str = "fnet") -> dict:
+    return yaml.safe_load((ROOT / f"config/published/{study}.yaml").read_text())
+
+
+def load_fnet_with(published: dict, tmp_path) -> qc.Study:
+    """The embedded default's FNet study with its published numbers replaced by `published`."""
+    path = tmp_path / "published.yaml"
+    path.write_text(yaml.safe_dump(published, sort_keys=False))
+    override = tmp_path / "override.yaml"
+    override.write_text(yaml.safe_dump({"published": str(path)}))
+    return qc.load_study(ROOT / "config/studies/fnet.yaml", [ROOT / "config/tiny/fnet.yaml", override],
+                         against_code=False)
+
+
+@pytest.mark.parametrize("study", STUDIES)
+def test_each_study_loads_with_its_published_numbers(study):
+    s = qc.load_study(ROOT / f"config/studies/{study}.yaml", ROOT / f"config/tiny/{study}.yaml", against_code=False)
+    published = qc.load_published(s.published)
+    assert published["study"] == study and published["seed"].startswith(f"{study}__")
+    entries = published["entries"]
+    assert entries and all(e["source"]["row"] and e["source"]["title"] and e["tolerance"] for e in entries)
+
+
+def test_a_row_key_that_names_no_model_of_the_study_is_an_error_at_load(tmp_path):
+    doc = published_doc()
+    speed = next(t for t in doc["tables"] if t["title"].startswith("Speed, TensorRT 11.4"))
+    speed["rows"][0]["keys"]["model"] = "fnet-huge"
+    with pytest.raises(qc.ConfigError) as e:
+        load_fnet_with(doc, tmp_path)
+    assert ("'Speed, TensorRT 11.4 (ms; x is fp16 time over FP8 time; at 512 fp16 is `fp16+hs`, the fp16 build of "
+            "the family at 512 has the same speed but NaN)', row 'base, 512 | B200', column 'fp32': model 'fnet-huge' "
+            "is no model of study fnet; its models: fnet-base, fnet-large") in str(e.value)
+
+
+def test_a_target_no_run_config_gives_the_study_is_an_error(tmp_path):
+    """b200-trt11.4-o1 exists on the B200 run, but FNet is built at level 3 only there."""
+    doc = published_doc()
+    doc["tables"][0]["rows"][0]["keys"]["target"] = "b200-trt11.4-o1"
+    with pytest.raises(qc.ConfigError, match=r"target 'b200-trt11.4-o1' is no target of study fnet on "
+                                             r"config/b200.yaml, config/b300.yaml; its targets: b200-trt11.4, "
+                                             r"b200-trt11.1, b300-trt11.4"):
+        load_fnet_with(doc, tmp_path)
+
+
+@pytest.mark.parametrize("drop, message", [
+    (lambda d: d["tables"][0]["rows"][0].pop("row"), "tables.0.rows.0: 'row' is a required property"),
+    (lambda d: d["tables"][0].pop("section"), "tables.0: 'section' is a required property"),
+    (lambda d: d.pop("seed"), "(top level): 'seed' is a required property"),
+])
+def test_a_missing_source_is_an_error(drop, message, tmp_path):
+    doc = published_doc()
+    drop(doc)
+    with pytest.raises(qc.ConfigError) as e:
+        load_fnet_with(doc, tmp_path)
+    assert message in str(e.value)
+
+
+def test_values_as_printed_kinds_with_tolerances_and_ranges_that_run_forward(tmp_path):
+    doc = published_doc()
+    doc["tables"][0]["rows"][0]["values"] = {"NaN passages of 300": 293}  # a YAML number loses "1.10"'s zero
+    with pytest.raises(qc.ConfigError, match=r"values.NaN passages of 300: 293: expected one number exactly as the write-up prints it, quoted"):
+        load_fnet_with(doc, tmp_path)
+    doc = published_doc()
+    doc["tables"][0]["columns"]["NaN passages of 300"]["kind"] = "nan_count"
+    doc["tables"][0]["rows"][1]["values"] = {"NaN passages of 300": ["300", "293"]}
+    with pytest.raises(qc.ConfigError) as e:
+        load_fnet_with(doc, tmp_path)
+    assert "kind 'nan_count' has no tolerance" in str(e.value) and "the range 300 to 293 runs backwards" in str(e.value)
+
+
+# --- the comparison, on a case worked out by hand ----------------------------------------------
+
+HAND = {
+    "study": "fnet", "seed": "fnet__004_36001eddca6567fe.txt", "weights": "checkpoint", "runs": ["config/b200.yaml"],
+    "tolerances": {"ms": {"relative": 0.05}, "x": {"absolute": 0.02}, "agree": {"absolute": 0.5},
+                   "plan": {"relative": 0.02}, "cos": {"absolute": 0.01}},
+    "tables": [
+        {"section": "Results", "title": "Speed", "table": "speed", "keys": {"target": "b200-trt11.4", "model": "fnet-base"},
+         "columns": {"FP8": {"column": "variant_ms", "units": "ms", "kind": "ms", "keys": {"variant": "fp8"}},
+                     "x": {"column": "x", "units": "x", "kind": "x", "keys": {"variant": "fp8"}}},
+         "rows": [{"row": "256", "keys": {"setting": "w256"}, "values": {"FP8": "0.752", "x": "1.05"}},
+                  {"row": "512", "keys": {"setting": "w512"}, "values": {"FP8": "0.752", "x": "1.05"}},
+                  {"row": "128", "keys": {"setting": "w128"}, "values": {"x": "1.11"}}]},
+        {"section": "Results", "title": "Quality", "table": "quality",
+         "keys": {"target": "b200-trt11.4", "model": "fnet-base", "variant": "fp8"},
+         "columns": {"agree": {"column": "mlm.top1_agreement", "units": "%", "kind": "agree"},
+                     "cos": {"column": "one_token.min", "units": "number", "kind": "cos"}},
+         "rows": [{"row": "256", "keys": {"setting": "w256"}, "values": {"agree": "93.99"}},
+                  {"row": "both", "keys": {"setting": ["w256", "w512"]}, "values": {"cos": ["0.944", "0.995"]}},
+                  {"row": "B300", "keys": {"target": "b300-trt11.4", "setting": "w256"}, "values": {"agree": "94.14"}}]},
+        {"section": "Results", "title": "Plan size", "table": "builds",
+         "keys": {"target": "b200-trt11.4", "model": "fnet-base", "setting": "w512", "variant": "fp8"},
+         "columns": {"FP8": {"column": "engine_bytes", "units": "MiB", "kind": "plan"}},
+         "rows": [{"row": "base", "values": {"FP8": "108.0"}}]},
+    ]}
+
+
+def speed_row(setting, ms, x, status="ok"):
+    return {"target": "b200-trt11.4", "model": "fnet-base", "setting": setting, "variant": "fp8", "graph": "main",
+            "status": status, "variant_ms": ms, "x": x, "source": f"results/fnet/b200-trt11.4/fnet-base/{setting}/fp8/timing.json",
+            "error": None if status == "ok" else "RuntimeError: engine build failed"}
+
+
+def hand_tables():
+    quality = [{"target": "b200-trt11.4", "model": "fnet-base", "setting": s, "variant": "fp8", "status": "ok",
+                "mlm.top1_agreement": a, "one_token.min": c, "source": f"results/fnet/b200-trt11.4/fnet-base/{s}/fp8/quality.json"}
+               for s, a, c in [("w256", 0.9351, 0.95), ("w512", 0.9, 0.99)]]
+    builds = [{"target": "b200-trt11.4", "model": "fnet-base", "setting": "w512", "variant": "fp8", "status": "ok",
+               "engine_bytes": 108 * 2**20 + 3 * 2**19, "source": "results/fnet/b200-trt11.4/fnet-base/w512/fp8/build.json"}]
+    return {"speed": [speed_row("w256", 0.80, 1.0201), speed_row("w512", 0.78, 1.0671), speed_row("w128", None, None, "failed")],
+            "quality": quality, "builds": builds, "kernels": [], "references": []}
+
+
+@pytest.fixture
+def hand_published(tmp_path):
+    path = tmp_path / "published.yaml"
+    path.write_text(yaml.safe_dump(HAND, sort_keys=False))
+    return qc.load_published(path)
+
+
+def test_difference_and_tolerance_by_hand(hand_published):
+    rows = aggregate.compare_published(hand_published, hand_tables(), "checkpoint", ["b200-trt11.4"])
+    by = {(r["published_source"]["title"], r["published_source"]["row"], r["published_source"]["column"]): r for r in rows}
+    # 0.80 ms against 0.752: +0.048, more than 5% of 0.752 (0.0376)
+    r = by[("Speed", "256", "FP8")]
+    assert r["status"] == "reproduced" and r["difference_min"] == pytest.approx(0.048) and r["beyond_tolerance"] is True
+    # 0.78 ms: +0.028, within 0.0376
+    assert by[("Speed", "512", "FP8")]["beyond_tolerance"] is False
+    # x 1.0201 against 1.05: -0.0299, beyond 0.02; 1.0671: +0.0171, within
+    assert by[("Speed", "256", "x")]["difference_max"] == pytest.approx(-0.0299) and by[("Speed", "256", "x")]["beyond_tolerance"]
+    assert by[("Speed", "512", "x")]["beyond_tolerance"] is False
+    # a failed row is a failure, with its error, never a number
+    failed = by[("Speed", "128", "x")]
+    assert failed["status"] == "failed here" and "engine build failed" in failed["reason"] and failed["beyond_tolerance"] is None
+    # agreement in %: 0.9351 is 93.51, 0.48 points below 93.99, within 0.5
+    r = by[("Quality", "256", "agree")]
+    assert r["reproduced_min"] == pytest.approx(93.51) and r["difference_min"] == pytest.approx(-0.48) and not r["beyond_tolerance"]
+    # a range over two rows: 0.95 and 0.99 against 0.944 to 0.995: +0.006 and -0.005, within 0.01
+    r = by[("Quality", "both", "cos")]
+    assert (r["reproduced_min"], r["reproduced_max"]) == (0.95, 0.99) and r["source"] is None
+    assert r["difference_min"] == pytest.approx(0.006) and r["difference_max"] == pytest.approx(-0.005)
+    assert r["beyond_tolerance"] is False and len(r["reproduced_from"]) == 2
+    # bytes as MiB: 109.5 against 108.0, +1.5, within 2% of 108.0 (2.16)
+    r = by[("Plan size", "base", "FP8")]
+    assert r["reproduced_min"] == pytest.approx(109.5) and r["beyond_tolerance"] is False
+    # a target this run does not have
+    r = by[("Quality", "B300", "agree")]
+    assert r["status"] == "not reproduced here" and r["reason"] == "target b300-trt11.4 is not in this run"
+    # the audit finds a published number in its config file, a reproduced one in its row's JSON
+    assert by[("Speed", "256", "FP8")]["source"] == speed_row("w256", 0, 0)["source"]
+    assert by[("Speed", "256", "FP8")]["sources"]["published_min"] == hand_published["file"]
+
+
+def test_a_run_on_other_weights_reproduces_nothing(hand_published):
+    rows = aggregate.compare_published(hand_published, hand_tables(), "tiny-random-init", ["b200-trt11.4"])
+    assert {r["status"] for r in rows} == {"not reproduced here"}
+    assert {r["reason"] for r in rows} == {"this run's weights are tiny-random-init, not the write-up's (checkpoint)"}
+
+
+# --- rendering -----------------------------------------------------------------------------
+
+def evidence_tables(study: str) -> dict:
+    """A committed evidence run's tables, with this study's published numbers compared as aggregate does."""
+    t = json.loads((ROOT / EVIDENCE[study]).read_text())
+    t.setdefault("damaged", [])
+    published = qc.load_published(f"config/published/{study}.yaml")
+    t["published"] = aggregate.compare_published(published, {k: t[k] for k in ("speed", "quality", "builds", "kernels", "references")},
+                                                 t["run"]["weights"], t["targets"])
+    t["published_from"] = {k: published[k] for k in ("file", "seed", "weights", "runs", "tolerances")}
+    return t
+
+
+def section_lines(readme: str) -> list[str]:
+    start = readme.index("### Published vs reproduced")
+    return readme[start:readme.index("### Where these numbers come from")].splitlines()
+
+
+@pytest.mark.parametrize("study", STUDIES)
+def test_every_study_renders_its_published_numbers_with_their_sources(study):
+    t = evidence_tables(study)
+    lines = section_lines(render.render_section(t))
+    assert any(line.startswith("**This run reproduces none of them**: this run's weights are real-size-random-init, "
+                               "not the write-up's (checkpoint).") for line in lines)
+    table_rows = [line for line in lines if line.startswith("| ") and not line.startswith("| Row |")]
+    assert len(table_rows) == len(t["published"])  # every published value listed, reproduced or not
+    for r in t["published"]:
+        src = r["published_source"]
+        assert f"*{src['section']}*: {src['title']}" in lines
+        assert any(line.startswith(f"| {render.cell_text(src['row'])}") and f"| {' to '.join(r['printed'])} |" in line
+                   for line in table_rows)
+
+
+def test_flagged_and_unreproduced_rows_are_marked():
+    """The FNet evidence tables with two rows as a B200 checkpoint run would have them: one within the
+    tolerance, one beyond it; every other number says why it is not reproduced here."""
+    t = evidence_tables("fnet")
+    t["run"] = {**t["run"], "weights": "checkpoint"}
+    t["targets"] = {"b200-trt11.4": {**t["targets"]["h200-torch"], "name": "b200-trt11.4", "gpu": "b200"}}
+    rows = [copy.deepcopy(next(r for r in t["speed"] if (r["model"], r["setting"], r["variant"]) == ("fnet-base", s, "fp8")))
+            for s in ("w256", "w128")]
+    rows[0].update(target="b200-trt11.4", x=1.0201)   # 1.05 published: -0.03, beyond 0.02
+    rows[1].update(target="b200-trt11.4", x=1.1049)   # 1.11 published: -0.0051, within
+    t["published"] = aggregate.compare_published(qc.load_published("config/published/fnet.yaml"),
+                                                 {"speed": rows, "quality": [], "builds": [], "kernels": [], "references": []},
+                                                 "checkpoint", t["targets"])
+    lines = section_lines(render.render_section(t))
+    # x and FP8 ms of both rows: 0.535 ms against 0.466 and 0.403 against 0.371 are beyond 5% as well
+    assert "This run reproduces 4 of them; 3 differ from the published value beyond the tolerance" in lines
+    beyond = "| base, 256 \\| B200 | x | speed `x`: b200-trt11.4, fnet-base, w256, fp8 | x | 1.09 | 1.02 | -0.07 | ±0.02 | **beyond tolerance** |"
+    assert beyond in lines
+    assert "| base, 128 \\| B200 | x | speed `x`: b200-trt11.4, fnet-base, w128, fp8 | x | 1.11 | 1.10 | -0.01 | ±0.02 | within |" in lines
+    assert ("| base, 256 \\| B300 | x | speed `x`: b300-trt11.4, fnet-base, w256, fp8 | x | 1.08 | - | - | - | "
+            "not reproduced here: target b300-trt11.4 is not in this run |") in lines
+    assert any("not reproduced here: no row of target b200-trt11.4, model fnet-base, setting w512, variant fp8 in this run"
+               in line for line in lines)

@@ -35,8 +35,9 @@ NOTE_LINE_INCHES = 0.17
 HEAD_INCHES = 0.9  # the title lines and the panel titles
 FOOT_INCHES = 0.25  # below the x label, before the note
 MARKERS = "osD^vP*Xph<>"
-FAILED = "#d62728"
-NOTE_CHARS = 150  # an error is cut to this in the note: the README's failure table has it whole
+FAILED = "#d62728"  # matplotlib's C3: no variant gets it, so red means failed
+VARIANT_COLOURS = ("C0", "C1", "C2", "C4", "C5", "C6", "C8", "C9", "C7")
+NOTE_CHARS = 150  # a note line's length: an error is cut to it, a list wraps
 
 
 def speed_condition(conditions: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -89,8 +90,9 @@ def points(tables: dict[str, Any]) -> tuple[list[Point], dict[str, list[str]]]:
             x = _finite(s.get("x")) if s.get("status") == "ok" else None
             y = _finite(q.get(column)) if q.get("status") == "ok" else None
             problem = "; ".join(filter(None, (_why(s, "timing", x, "x"), _why(q, "quality", y, column))))
-            out.append(Point(target, model, setting, graph, variant, x, _finite(s.get("x_min")) if x else None,
-                             _finite(s.get("x_max")) if x else None, y, problem))
+            has_x = x is not None
+            out.append(Point(target, model, setting, graph, variant, x, _finite(s.get("x_min")) if has_x else None,
+                             _finite(s.get("x_max")) if has_x else None, y, problem))
     quality_only = sorted({f"{t}: {m}, {s}" for t, m, s, _ in quality if (t, m, s) not in timed})
     return out, {"speed only (no quality run at this setting)": sorted(set(speed_only)),
                  "quality only (not timed)": quality_only}
@@ -123,8 +125,10 @@ def _notes(pts: list[Point], by_design: dict[str, list[str]], settings: dict[str
     for p in pts:
         if p.problem:
             text = f"x  {p.target}: {_series_label(p, settings, several)}, {p.variant}: {p.problem}"
-            lines.append(text if len(text) <= NOTE_CHARS else text[:NOTE_CHARS - 3] + "...")
-    lines += [f"{kind}: {'; '.join(keys)}" for kind, keys in by_design.items() if keys]
+            lines.append(text if len(text) <= NOTE_CHARS else text[:NOTE_CHARS - 3] + "...")  # whole in the README
+    for kind, keys in by_design.items():
+        if keys:
+            lines += textwrap.wrap(f"{kind}: {'; '.join(keys)}", NOTE_CHARS, subsequent_indent="    ")
     return lines
 
 
@@ -143,7 +147,7 @@ def figure(tables: dict[str, Any]):
     several = len({p.graph for p in pts if p.graph}) > 1
     variants = [v for v in spec["variants"] if any(p.variant == v for p in pts)]
     series = list(dict.fromkeys(_series_label(p, settings, several) for p in pts))
-    colour = {v: f"C{i % 10}" for i, v in enumerate(variants)}
+    colour = {v: VARIANT_COLOURS[i % len(VARIANT_COLOURS)] for i, v in enumerate(variants)}
     marker = {s: MARKERS[i % len(MARKERS)] for i, s in enumerate(series)}
     notes = _notes(pts, by_design, settings, several)
 

@@ -8,6 +8,9 @@ if not config:  # a plain `snakemake` runs the embedded default; profiles name t
     configfile: "config/config.yaml"
 
 
+report: "report/workflow.rst"  # the front page of `snakemake --report report.html`
+
+
 include: "rules/common.smk"
 include: "rules/fetch.smk"
 include: "rules/reference.smk"

@@ -255,6 +255,12 @@ def calibration_sample_sets(recipe: dict[str, Any]) -> list[str]:
     return [names] if isinstance(names, str) else list(names)
 
 
+def main_quality_condition(decision: dict[str, Any]) -> dict[str, Any] | None:
+    """The decision's first per-row quality condition (table quality, reduce min or max): its column
+    is the study's main quality metric, the y axis of its speed-vs-quality plot."""
+    return next((c for c in decision["conditions"] if c["table"] == "quality" and c["reduce"] in ("min", "max")), None)
+
+
 def _path(p: str | Path) -> Path:
     """Config paths are relative to the workflow's root, wherever Snakemake runs."""
     p = Path(p)
@@ -404,6 +410,9 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
                                 f"(by {doc.get('calibrate_by', 'every shape key')}) to calibrate at")
 
     problems += _engine_problems(doc, models)
+    if main_quality_condition(doc["decision"]) is None:
+        problems.append("decision has no per-row quality condition (table: quality, reduce: min or max): its column "
+                        "is the study's main quality metric, which the speed-vs-quality plot draws")
 
     if against_code and problems:  # the layers only once the rest is sound (a model may be missing)
         problems += _problems_against_code(doc, models, variants, settings, match_layers=False)

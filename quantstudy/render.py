@@ -10,6 +10,8 @@ The section sits between marker comments, so it can be spliced into an existing 
 from __future__ import annotations
 
 import argparse
+import base64
+import html
 import math
 import re
 from collections import defaultdict
@@ -19,9 +21,10 @@ from typing import Any
 import jinja2
 
 from quantstudy.artifacts import atomic_write, read_json
-from quantstudy.config import shape_of
+from quantstudy.config import main_quality_condition, shape_of
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+PLOT = "speed_quality.png"  # beside the README: the plot rule writes it, the section links it
 
 
 def begin_marker(study: str) -> str:
@@ -102,7 +105,7 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
     spec, cand, baselines = t["spec"], t["spec"]["candidate"], t["baselines"]
     settings = spec["settings"]
     speed_rows = []
-    for (target, model, setting, graph), variants in _by_graph(t["speed"]).items():
+    for (target, model, setting, graph), variants in by_graph(t["speed"]).items():
         c = variants.get(cand, {})
         speed_rows.append({"target": target, "gpu": c.get("gpu") or next(iter(variants.values()))["gpu"],
                            "model": model, "setting": setting, "graph": graph, "batch": settings[setting]["batch"],
@@ -136,7 +139,7 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
                                 "baseline_bytes": base["engine_bytes"], "candidate_bytes": b["engine_bytes"],
                                 "change": b["engine_bytes"] / base["engine_bytes"] - 1})
 
-    kernels = _by_graph(t["kernels"])
+    kernels = by_graph(t["kernels"])
     variant_summary = {v: {"x_batch1": value_range(r["variants"].get(v, {}).get("x")
                                                    for r in speed_rows if r["batch"] == 1)}
                        for v in spec["variants"]}
@@ -158,6 +161,7 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "gpus": sorted({r["gpu"] for r in t["speed"]}), "decision": t["decision"],
         "variant_summary": variant_summary, "references": references, "several_graphs": len(graphs) > 1,
         "published": _published_view(t),
+        "plot": PLOT, "main_quality": main_quality_condition(spec["decision"]),
     }
 
 
@@ -179,7 +183,7 @@ def _published_view(t: dict[str, Any]) -> dict[str, Any] | None:
             "groups": [{"section": s, "title": title, "rows": g} for (s, title), g in groups.items()]}
 
 
-def _by_graph(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, Any]]]:
+def by_graph(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, Any]]]:
     """(target, model, setting, graph) -> {variant: row}. A failed measurement has no graph: it
     stands in every graph of its target, model and setting (or alone, where none was measured)."""
     groups: dict[tuple, dict[str, dict[str, Any]]] = defaultdict(dict)
@@ -226,10 +230,32 @@ def splice(existing: str, section: str, study: str) -> str:
     return existing.rstrip("\n") + "\n\n" + section
 
 
-def render_file(tables_json: str | Path, out: str | Path, into: str | Path | None = None) -> None:
+PAGE_STYLE = ("body{font-family:sans-serif;max-width:80em;margin:1em auto;padding:0 1em;line-height:1.4}"
+              "table{border-collapse:collapse;margin:.5em 0;font-size:90%}th,td{border:1px solid #ccc;padding:2px 6px}"
+              "th{background:#f3f3f3}img{max-width:100%}code{background:#f6f6f6}")
+
+
+def html_page(section: str, title: str, plot: bytes | None = None) -> str:
+    """The section as one self-contained HTML page, the plot inline: what `snakemake --report` shows."""
+    from markdown_it import MarkdownIt
+
+    markdown = "\n".join(line for line in section.splitlines() if not line.startswith("<!-- quantstudy:"))
+    body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)  # error texts stay text
+    if plot is not None:
+        body = body.replace(f'src="{PLOT}"', f'src="data:image/png;base64,{base64.b64encode(plot).decode()}"')
+    return (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{PAGE_STYLE}</style></head>\n<body>\n{body}</body></html>\n")
+
+
+def render_file(tables_json: str | Path, out: str | Path, into: str | Path | None = None,
+                page: str | Path | None = None, plot: str | Path | None = None) -> None:
+    """The README section to `out` (and spliced `into` another README); with `page`, also as an
+    HTML page with `plot` (the PNG the section links) inline."""
     tables = read_json(tables_json, "tables")
     section = render_section(tables)
     atomic_write(out, section)
+    if page:
+        atomic_write(page, html_page(section, tables["title"], Path(plot).read_bytes() if plot else None))
     if into:
         into = Path(into)
         atomic_write(into, splice(into.read_text() if into.exists() else "", section, tables["study"]))

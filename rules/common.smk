@@ -92,10 +92,20 @@ def export_input(w):
     return {"export": f"{EXPORT_DIR.format(**dict(w.items()))}/export.json"}
 
 
+# The workflow's own software (the pins of scripts/install.sh): the env of every rule but the
+# target-specific ones. Used under --sdm conda only; a local run uses the Python that runs Snakemake.
+WORKFLOW_ENV = "../envs/quantstudy.yaml"  # relative to rules/, as Snakemake reads conda paths
+
+
 def target_env(w):
-    """The conda env file a target's jobs run in (`env:` in its config), None for the workflow's own."""
+    """The conda env file a target's jobs run in: `env:` in its config, or the workflow's own."""
     env = RUN.targets[w.target].env
-    return f"../{env}" if env else None  # relative to rules/, as Snakemake reads conda paths
+    return f"../{env}" if env else WORKFLOW_ENV
+
+
+def study_title(w):
+    """The study's title: its category in `snakemake --report`."""
+    return study(w).raw["title"]
 
 
 def variant_build(w, variant=None):

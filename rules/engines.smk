@@ -19,6 +19,8 @@ rule export:
         "logs/{study}/{model}/{setting}/onnx/{variant}/export.log",
     benchmark:
         "benchmarks/{study}/{model}/{setting}/onnx/{variant}/export.tsv"
+    conda:
+        WORKFLOW_ENV
     script:
         "../scripts/export.py"
 

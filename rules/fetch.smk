@@ -14,6 +14,8 @@ rule local_hub:
         "logs/{study}/local_hub.log",
     benchmark:
         "benchmarks/{study}/local_hub.tsv"
+    conda:
+        WORKFLOW_ENV
     script:
         "../scripts/local_hub.py"
 
@@ -33,6 +35,8 @@ rule fetch_checkpoint:
         "logs/{study}/{model}/fetch_checkpoint.log",
     benchmark:
         "benchmarks/{study}/{model}/fetch_checkpoint.tsv"
+    conda:
+        WORKFLOW_ENV
     script:
         "../scripts/fetch_checkpoint.py"
 
@@ -54,5 +58,7 @@ rule fetch_dataset:
         "logs/{study}/data/{samples}.log",
     benchmark:
         "benchmarks/{study}/data/{samples}.tsv"
+    conda:
+        WORKFLOW_ENV
     script:
         "../scripts/fetch_dataset.py"

@@ -20,6 +20,8 @@ rule reference:
         "logs/{study}/{model}/{setting}/reference.log",
     benchmark:
         "benchmarks/{study}/{model}/{setting}/reference.tsv"
+    conda:
+        WORKFLOW_ENV
     script:
         "../scripts/reference.py"
 
@@ -40,5 +42,7 @@ rule calibrate:
         "logs/{study}/{model}/calib/{setting}/calibrate.log",
     benchmark:
         "benchmarks/{study}/{model}/calib/{setting}/calibrate.tsv"
+    conda:
+        WORKFLOW_ENV
     script:
         "../scripts/calibrate.py"

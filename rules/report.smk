@@ -1,4 +1,5 @@
-# Tidy tables of a study (pandas), then its README section (Jinja).
+# Tidy tables of a study (pandas), its speed-vs-quality plot (matplotlib), its README section (Jinja),
+# the audit. `snakemake --report report.html` gathers the outputs marked report(...), captions in report/.
 
 
 rule aggregate:
@@ -12,7 +13,8 @@ rule aggregate:
         checkpoints=lambda w: [f"results/{w.study}/{m}/checkpoint.json" for m in study(w).models],
         published=lambda w: [study(w).published] if study(w).published else [],
     output:
-        tables="results/{study}/tables.json",
+        tables=report("results/{study}/tables.json", caption="../report/tables.rst", category=study_title,
+                      subcategory="data"),
     params:
         study=lambda w: study(w).raw,
         baselines=lambda w: study(w).baselines(),
@@ -22,20 +24,43 @@ rule aggregate:
         "logs/{study}/aggregate.log",
     benchmark:
         "benchmarks/{study}/aggregate.tsv"
+    conda:
+        WORKFLOW_ENV
     script:
         "../scripts/aggregate.py"
+
+
+rule plot:
+    input:
+        tables="results/{study}/tables.json",
+    output:
+        plot=report("results/{study}/speed_quality.png", caption="../report/speed_quality.rst",
+                    category=study_title, subcategory="plot"),
+    log:
+        "logs/{study}/plot.log",
+    benchmark:
+        "benchmarks/{study}/plot.tsv"
+    conda:
+        WORKFLOW_ENV
+    script:
+        "../scripts/plot.py"
 
 
 rule render:
     input:
         tables="results/{study}/tables.json",
+        plot="results/{study}/speed_quality.png",
         templates=lambda w: [f"templates/{t}" for t in ("macros.md.j2", "study.md.j2", f"{study(w).family}.md.j2")],
     output:
         readme="results/{study}/README.md",
+        page=report("results/{study}/README.html", caption="../report/readme.rst", category=study_title,
+                    subcategory="README"),
     log:
         "logs/{study}/render.log",
     benchmark:
         "benchmarks/{study}/render.tsv"
+    conda:
+        WORKFLOW_ENV
     script:
         "../scripts/render.py"
 
@@ -45,10 +70,13 @@ rule audit:
         tables="results/{study}/tables.json",
         readme="results/{study}/README.md",
     output:
-        audit="results/{study}/audit.json",
+        audit=report("results/{study}/audit.json", caption="../report/audit.rst", category=study_title,
+                     subcategory="data"),
     log:
         "logs/{study}/audit.log",
     benchmark:
         "benchmarks/{study}/audit.tsv"
+    conda:
+        WORKFLOW_ENV
     script:
         "../scripts/audit.py"

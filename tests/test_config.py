@@ -142,6 +142,25 @@ def test_snakemake_stops_before_any_job(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
+def test_a_decision_needs_a_per_row_quality_condition(tmp_path):
+    """Its column is the study's main quality metric, the y axis of the speed-vs-quality plot."""
+    doc = study_doc()
+    doc["decision"]["conditions"] = [c for c in doc["decision"]["conditions"]
+                                     if c["table"] == "speed" or c["reduce"] not in ("min", "max")]
+    with pytest.raises(qc.ConfigError, match=r"decision has no per-row quality condition \(table: quality, reduce: min or max\)"):
+        load(doc, tmp_path)
+
+
+def test_snakemake_lint_finds_nothing(tmp_path):
+    """Every rule names its software environment, and no lint of Snakemake's applies."""
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--snakefile", str(ROOT / "Snakefile"),
+                           "--directory", str(tmp_path), "--configfile", str(ROOT / "config/config.yaml")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Lints for" not in proc.stdout + proc.stderr
+    assert "Congratulations, your workflow is in a good condition!" in proc.stdout + proc.stderr
+
+
 def test_quality_against_names_a_variant_every_target_builds(tmp_path):
     doc = study_doc()
     doc["quality_against"] = ["fp17"]

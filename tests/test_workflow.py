@@ -106,6 +106,27 @@ def test_a_failed_first_kernel_row_renders(workflow_copy):
     assert all(g in header for g in tables["kernel_groups"]) and tables["kernel_groups"]
 
 
+def test_the_readme_shows_the_plot_and_the_report_holds_each_studys_results(workflow_copy, tmp_path):
+    """The README links the plot beside it; `snakemake --report` builds one self-contained HTML
+    with the plot, the README as a page (plot inline), tables.json and audit.json."""
+    import base64
+
+    study = workflow_copy / "results/fnet"
+    assert "](speed_quality.png)" in (study / "README.md").read_text()
+    plot = (study / "speed_quality.png").read_bytes()
+    assert plot.startswith(b"\x89PNG")
+    page = (study / "README.html").read_text()
+    assert f'src="data:image/png;base64,{base64.b64encode(plot).decode()}"' in page and "<table>" in page
+    report = tmp_path / "report.html"
+    proc = snakemake(workflow_copy, "--configfile", ".test/config.yaml", "--report", str(report))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    html = report.read_text()
+    for name in ("speed_quality.png", "README.html", "tables.json", "audit.json"):
+        data = base64.b64encode((study / name).read_bytes()).decode()
+        assert data in html, f"{name} is not in the report"
+    assert "FP8 quantization studies, from pinned checkpoint" in html  # the front page, report/workflow.rst
+
+
 def test_noop_rerun_does_nothing(workflow_copy):
     proc = snakemake(workflow_copy, "-n", "--configfile", ".test/config.yaml")
     assert proc.returncode == 0
@@ -124,7 +145,7 @@ def test_changing_one_variant_reruns_only_its_chain(workflow_copy):
     per_variant = [(rule, w["variant"]) for rule, w in jobs if "variant" in w]
     assert sorted(per_variant) == sorted((r, "fp8-no-output-dense") for r in ("build", "time", "profile", "evaluate"))
     # `all` is the target rule: it runs no code.
-    assert sorted(rule for rule, w in jobs if "variant" not in w) == ["aggregate", "all", "audit", "render"]
+    assert sorted(rule for rule, w in jobs if "variant" not in w) == ["aggregate", "all", "audit", "plot", "render"]
 
 
 def test_audit_traces_the_readme_to_pinned_inputs(workflow_copy, monkeypatch):

@@ -1,0 +1,78 @@
+"""The speed-vs-quality plot, drawn by real matplotlib from a committed evidence run's tables."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+from PIL import Image
+
+from quantstudy import artifacts, plots
+
+from conftest import ROOT
+
+EVIDENCE = ROOT / "results/h200-torch-issue9/results/deberta_v2/tables.json"  # one target, fp16 and fp8
+RED = (0xD6, 0x27, 0x28)  # plots.FAILED
+
+
+def _tables_with(tmp_path, edit=None):
+    """The evidence run's tables.json, edited, written as the aggregate rule writes it."""
+    doc = json.loads(EVIDENCE.read_text())
+    for key in ("schema", "schema_version", artifacts.DIGEST):
+        doc.pop(key)
+    if edit:
+        edit(doc)
+    path = tmp_path / "tables.json"
+    artifacts.write_json(path, "tables", doc)
+    return path
+
+
+def _fail_fp8_quality_at_w256(doc):
+    row = next(r for r in doc["quality"] if (r["model"], r["setting"], r["variant"]) == ("deberta-v3-base", "w256", "fp8"))
+    keep = {k: row[k] for k in ("target", "model", "setting", "variant", "source", "gpu", "backend", "batch", "window")}
+    doc["quality"][doc["quality"].index(row)] = keep | {"status": "failed", "error": "RuntimeError: evaluate crashed"}
+
+
+def _red_pixels(path) -> int:
+    rgb = np.asarray(Image.open(path).convert("RGB"))
+    return int(np.all(rgb == RED, axis=-1).sum())
+
+
+def test_a_failed_measurement_is_plotted_and_named(tmp_path):
+    out = tmp_path / "speed_quality.png"
+    pts = plots.plot_file(_tables_with(tmp_path, _fail_fp8_quality_at_w256), out)
+    # w128, w256, w512 x fp16, fp8; b32-w256 (no quality run) and the untimed MNLI model are listed, not points
+    assert sorted((p.setting, p.variant) for p in pts) == [(s, v) for s in ("w128", "w256", "w512") for v in ("fp16", "fp8")]
+    failed = [p for p in pts if p.problem]
+    assert len(failed) == 1 and (failed[0].setting, failed[0].variant) == ("w256", "fp8")
+    assert failed[0].y is None and failed[0].x is not None  # its speed is still shown, on the edge of the y axis
+    assert failed[0].problem == "quality failed: RuntimeError: evaluate crashed"
+    ok = next(p for p in pts if (p.setting, p.variant) == ("w128", "fp8"))
+    assert ok.y > 0.05 and ok.x_min <= ok.x <= ok.x_max  # features.mean: the decision's per-row quality column
+    image = Image.open(out)
+    image.load()  # decodes
+    # one 4.6 x 4.0 in panel, the legend column, and three note lines (the failure, speed only, quality only)
+    assert image.format == "PNG" and image.size == (720, round((0.9 + 4.0 + 0.25 + 0.55 + 3 * 0.17) * 100))
+    assert _red_pixels(out) > 50  # the cross, its legend entry and its note line
+
+
+def test_without_failures_nothing_is_red_and_the_png_is_the_same_each_time(tmp_path):
+    tables = _tables_with(tmp_path)
+    first, second = tmp_path / "a.png", tmp_path / "b.png"
+    pts = plots.plot_file(tables, first)
+    plots.plot_file(tables, second)
+    assert not any(p.problem for p in pts) and _red_pixels(first) == 0
+    assert hashlib.sha256(first.read_bytes()).digest() == hashlib.sha256(second.read_bytes()).digest()
+    assert b"Software" not in first.read_bytes()  # no matplotlib version stamp: same bytes on any install
+
+
+def test_the_committed_evidence_plots_are_what_the_code_draws(tmp_path):
+    """Like their READMEs (test_evidence), the evidence runs' plots are redrawn from their tables."""
+    for tables in sorted(ROOT.glob("results/*/*/**/tables.json")):  # test_evidence's evidence runs
+        committed = tables.with_name("speed_quality.png")
+        if json.loads(tables.read_text())["schema_version"] != artifacts.SCHEMA_VERSION:
+            continue
+        out = tmp_path / f"{tables.parent.name}.png"
+        plots.plot_file(tables, out)
+        assert out.read_bytes() == committed.read_bytes(), f"redraw it: python -m quantstudy.plots {tables.relative_to(ROOT)}"

@@ -370,3 +370,25 @@ def test_editing_the_published_numbers_reruns_aggregate_render_and_audit(workflo
     finally:
         path.write_text(original)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_an_edited_readme_number_fails_the_audit(workflow_copy, tmp_path):
+    """A number changed in the rendered README, then `snakemake` again: the README is no longer what
+    the templates make of tables.json, and the audit (whose input it is) fails the run."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    from quantstudy import render
+
+    readme = repo / "results/fnet/README.md"
+    tables = json.loads((repo / "results/fnet/tables.json").read_text())
+    shown = render.ms(next(r for r in tables["speed"] if r["variant"] == "fp8" and r["status"] == "ok")["variant_ms"])
+    text = readme.read_text()
+    assert shown in text
+    readme.write_text(text.replace(shown, "0.001", 1))
+    proc = snakemake(repo, "--configfile", ".test/config.yaml")
+    assert proc.returncode != 0
+    assert ("results/fnet/README.md is not what the templates render from results/fnet/tables.json"
+            in (repo / "logs/fnet/audit.log").read_text())
+    assert _audit_cli(repo, "check", "results/fnet").returncode == 1

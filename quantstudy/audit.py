@@ -103,7 +103,7 @@ class AuditFailed(RuntimeError):
 
 # --- one number's chain ---------------------------------------------------------------------
 
-TABLES = ("speed", "quality", "builds", "kernels", "references", "calibration")
+TABLES = ("speed", "quality", "builds", "records", "kernels", "references", "calibration", "samples")
 
 
 def find_number(tables: dict[str, Any], text: str) -> list[dict[str, Any]]:

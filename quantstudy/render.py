@@ -10,7 +10,9 @@ The section sits between marker comments, so it can be spliced into an existing 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -139,6 +141,7 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "kernels": kernels, "kernel_groups": t["kernel_groups"], "failures": failures, "damaged": t.get("damaged", []),
         "gpus": sorted({r["gpu"] for r in t["speed"]}), "decision": t["decision"],
         "variant_summary": variant_summary, "references": references, "several_graphs": len(graphs) > 1,
+        "samples": {s["name"]: s for s in t["samples"]}, "link": functools.partial(link, t["study"]),
     }
 
 
@@ -155,6 +158,11 @@ def _by_graph(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, Any
             for key in keys or [(row["target"], row["model"], row["setting"], None)]:
                 groups[key][row["variant"]] = row
     return groups
+
+
+def link(study: str, source: str) -> str:
+    """A workflow path (results/<study>/...) as a link relative to the study's README, results/<study>/README.md."""
+    return Path(os.path.relpath(source, f"results/{study}")).as_posix()
 
 
 def shape_label(shape: dict[str, Any]) -> str:

@@ -4,12 +4,14 @@
 rule aggregate:
     input:
         builds=lambda w: engine_files(study(w), "build.json"),
+        records=lambda w: engine_files(study(w), "measurements.json"),
         timings=lambda w: engine_files(study(w), "timing.json"),
         kernels=lambda w: engine_files(study(w), "kernels.json"),
         qualities=lambda w: engine_files(study(w), "quality.json"),
         references=lambda w: [f"results/{w.study}/{m}/{s}/reference.json" for m, s in study(w).model_settings(True)],
         amax=lambda w: [amax_json(w.study, m, s) for m in study(w).models for s in study(w).calibration_settings(m)],
         checkpoints=lambda w: [f"results/{w.study}/{m}/checkpoint.json" for m in study(w).models],
+        samples=study_sample_lists,
     output:
         tables="results/{study}/tables.json",
     params:

@@ -57,8 +57,8 @@ def _kind(names: list[str], weights: list[str], activations: list[str], **extra)
 def torch_layers(engine: str | Path, fp8_layers: list[str], linear_layers: list[str], precision: str,
                  dequantize_dtype: str | None) -> dict[str, Any]:
     """Layer dtypes of a torch engine (its safetensors file): FP8 linear layers, the other linear
-    layers of the variant module (`linear_layers`, FP8 ones included or not), and the rest of the weights. The FP8 layers are those whose weight
-    the file holds in float8_e4m3fn, which must be the variant's."""
+    layers of the variant module (`linear_layers`, FP8 ones included or not), and the rest of the
+    weights. The FP8 layers are those whose weight the file holds in float8_e4m3fn: the variant's."""
     dtypes = safetensors_dtypes(engine)
     missing = [n for n in linear_layers + fp8_layers if f"{n}.weight" not in dtypes]
     if missing:
@@ -71,8 +71,8 @@ def torch_layers(engine: str | Path, fp8_layers: list[str], linear_layers: list[
     other = sorted({d for k, d in dtypes.items() if k not in layer_weights and d in _FLOATING})
     return {
         # fake-quant or _scaled_mm, the activation is quantized to FP8 (FP8Linear) before the GEMM
-        "fp8_linear": _kind(fp8_layers, [dtypes[f"{n}.weight"] for n in fp8_layers], ["float8_e4m3fn"] * len(fp8_layers),
-                            dequantized_to=dequantize_dtype or NONE),
+        "fp8_linear": _kind(fp8_layers, [dtypes[f"{n}.weight"] for n in fp8_layers],
+                            ["float8_e4m3fn"] * len(fp8_layers), dequantized_to=[dequantize_dtype or NONE]),
         "linear": _kind(plain, [dtypes[f"{n}.weight"] for n in plain], [precision] * len(plain)),
         "other": {"weight": other or [NONE]},
     }

@@ -314,8 +314,8 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
           architecture: dict[str, Any], spec: dict[str, Any], recipe: dict[str, Any], checkpoint_json: str,
           amax_json: str | None, out: str, export_json: str | None = None) -> None:
     """Build one engine per graph (variant x target), then its measurements record beside `out`
-    (measurements.json, record.py), read from the engine and ONNX files. A build that raises, or whose record cannot be made, is recorded
-    as failed, in both files.
+    (measurements.json, record.py), read from the engine and ONNX files. A build that raises, or whose
+    record cannot be made, is recorded as failed, in both files.
 
     The torch backend builds from the variant module; onnxruntime and tensorrt from the
     variant's exported ONNX (`export_json`).

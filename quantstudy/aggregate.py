@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterable
 
 import pandas as pd
 
-from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, write_json
-from quantstudy.config import PUBLISHED_KEYS, UNIT_SCALE, load_published, shape_of
+from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, sha256_file, write_json
+from quantstudy.config import PUBLISHED_KEYS, UNIT_SCALE, calibration_sample_sets, load_published, shape_of
 from quantstudy.render import value_range
 
 log = logging.getLogger("quantstudy")
@@ -98,6 +98,30 @@ def _build(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
            "precision": doc.get("precision"), "dequantize_dtype": doc.get("dequantize_dtype")}
 
 
+def _joined(values: list[str] | str) -> str:
+    return values if isinstance(values, str) else ", ".join(values)
+
+
+def _record(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
+    """A measurements record's recipe as built, per graph: dtypes, FP8 layer count, opset, Q/DQ ops."""
+    for graph, g in doc["graphs"].items():
+        fp8, linear = g["layers"]["fp8_linear"], g["layers"]["linear"]
+        onnx = doc["onnx"][graph] if isinstance(doc["onnx"], dict) else None
+        qdq = {op: onnx[op] for op in ("QuantizeLinear", "DequantizeLinear")} if onnx else {}
+        yield {"graph": graph, "backend_version": doc["backend"]["version"], "precision": doc["precision"],
+               "fp8_layers": doc["fp8_layers"]["count"],
+               "fp8_weight": fp8 if isinstance(fp8, str) else _joined(fp8["weight"]),
+               "fp8_activation": fp8 if isinstance(fp8, str) else _joined(fp8["activation"]),
+               "dequantized_to": fp8 if isinstance(fp8, str) else _joined(fp8["dequantized_to"]),
+               "linear_layers": 0 if isinstance(linear, str) else linear["layers"],
+               "linear_weight": linear if isinstance(linear, str) else _joined(linear["weight"]),
+               "opset": onnx["opset"] if onnx else None, "onnx": "exported" if onnx else doc["onnx"],
+               "quantize_ops": qdq["QuantizeLinear"]["count"] if onnx else None,
+               "dequantize_ops": qdq["DequantizeLinear"]["count"] if onnx else None,
+               "qdq_types": {op: q["output_types"] for op, q in qdq.items()},
+               "fp8_path": doc["fp8_path"], "amax_sha256": doc["amax"] if isinstance(doc["amax"], str) else doc["amax"]["sha256"]}
+
+
 def _kernels(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
     for graph, g in doc["graphs"].items():
         yield {"graph": graph, "groups_ms": g["groups_ms"], "groups_count": g.get("groups_count"),
@@ -107,6 +131,20 @@ def _kernels(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
 def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return [{k: (None if (not isinstance(v, (dict, list)) and pd.isna(v)) else v) for k, v in r.items()}
             for r in frame.to_dict("records")]
+
+
+def sample_lists(docs: list[tuple[str, dict[str, Any]]], study: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per sample list the study reads: what it is used for, how many samples it holds (as
+    drawn, which may be fewer than the config asks for), where from, and the sha256 of the file."""
+    calibration, evaluation = calibration_sample_sets(study["recipe"]), study["evaluation_samples"]
+    rows = []
+    for path, doc in docs:
+        name = Path(path).stem
+        used_for = [role for role, names in (("calibration", calibration), ("evaluation", evaluation)) if name in names]
+        rows.append({"name": name, "used_for": used_for, "kind": doc["kind"], "count": len(doc["samples"]),
+                     "dataset": doc["repo"], "revision": doc["revision"], "split": doc["split"],
+                     "sha256": sha256_file(path), "source": path})
+    return rows
 
 
 COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq}
@@ -232,13 +270,15 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
     quality = _rows(inputs["qualities"], "quality", _quality, damaged)
     builds = _rows(inputs["builds"], "build", _build, damaged)
     kernels = _rows(inputs["kernels"], "kernels", _kernels, damaged)
+    records = _rows(inputs["records"], "measurements", _record, damaged)
     kernel_docs = [doc for _, doc in _readable(inputs["kernels"], "kernels", [])]
     settings = {name: shape_of(s) for name, s in study["settings"].items()}
     references = [{"model": r["model"], "setting": r["setting"], **settings[r["setting"]], **flatten(r["blocks"]),
                    "source": p} for p, r in _readable(inputs["references"], "reference", damaged)]
     amax = [a | {"source": p} for p, a in _readable(inputs["amax"], "amax", damaged)]
     checkpoints = [c | {"source": p} for p, c in _readable(inputs["checkpoints"], "checkpoint", damaged)]
-    for frame in (speed, quality, builds, kernels):
+    samples = sample_lists(_readable(inputs["samples"], "samples", damaged), study)
+    for frame in (speed, quality, builds, kernels, records):
         frame["gpu"] = frame.target.map(lambda t: targets[t].get("gpu", "cpu"))
         frame["backend"] = frame.target.map(lambda t: targets[t]["backend"])
         frame["batch"] = frame.setting.map(lambda s: study["settings"][s]["batch"])
@@ -264,8 +304,9 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
         "spec": {k: study[k] for k in ("models", "settings", "datasets", "samples", "evaluation_samples", "recipe",
                                        "variants", "baseline", "candidate", "timing", "metrics", "decision")},
         "checkpoints": [{k: c[k] for k in ("repo", "revision", "weights", "source")} for c in checkpoints],
+        "samples": samples,
         "speed": _records(speed), "quality": _records(quality), "builds": _records(builds),
-        "kernels": _records(kernels), "references": references, "calibration": calibration,
+        "kernels": _records(kernels), "records": _records(records), "references": references, "calibration": calibration,
         "decision": decide(study, {"speed": speed, "quality": quality}), "damaged": damaged,
         "published": published_rows,
         "published_from": None if published is None else {k: published[k] for k in ("file", "seed", "weights", "runs",

@@ -174,7 +174,7 @@ class AuditFailed(RuntimeError):
 
 # --- one number's chain ---------------------------------------------------------------------
 
-TABLES = ("speed", "quality", "builds", "kernels", "references", "calibration", "published")
+TABLES = ("speed", "quality", "builds", "records", "kernels", "references", "calibration", "samples", "published")
 
 
 def find_number(tables: dict[str, Any], text: str) -> list[dict[str, Any]]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import base64
 import html
+import functools
 import math
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -162,7 +164,19 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "variant_summary": variant_summary, "references": references, "several_graphs": len(graphs) > 1,
         "published": _published_view(t),
         "plot": PLOT, "main_quality": main_quality_condition(spec["decision"]),
+        "samples": _samples_view(t), "link": functools.partial(link, t["study"]),
     }
+
+
+def _samples_view(t: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{name: sample list row}: from the lists the jobs read (tables.json's `samples`); tables written
+    before they were recorded (older evidence) have only the spec's counts, and no file to link."""
+    if t.get("samples"):
+        return {s["name"]: s for s in t["samples"]}
+    spec = t["spec"]
+    return {name: {"name": name, "count": s["count"], "kind": s["kind"], "split": s["split"], "source": None,
+                   "dataset": spec["datasets"][s["dataset"]]["repo"],
+                   "revision": spec["datasets"][s["dataset"]]["revision"]} for name, s in spec["samples"].items()}
 
 
 def _published_view(t: dict[str, Any]) -> dict[str, Any] | None:
@@ -196,6 +210,11 @@ def by_graph(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, dict[str, Any]
             for key in keys or [(row["target"], row["model"], row["setting"], None)]:
                 groups[key][row["variant"]] = row
     return groups
+
+
+def link(study: str, source: str) -> str:
+    """A workflow path (results/<study>/...) as a link relative to the study's README, results/<study>/README.md."""
+    return Path(os.path.relpath(source, f"results/{study}")).as_posix()
 
 
 def shape_label(shape: dict[str, Any]) -> str:

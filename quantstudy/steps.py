@@ -167,8 +167,25 @@ def fetch_dataset(name: str, samples_spec: dict[str, Any], dataset: dict[str, An
                                  "dataset": dataset}, started)})
 
 
-def _samples(samples_jsons: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
-    return {name: read_json(path, "samples")["samples"] for name, path in samples_jsons.items()}
+def read_samples(path: str | Path, family: str) -> list[dict[str, Any]]:
+    """A sample list as every job that uses it reads it: the file as fetch_dataset wrote it (its digest),
+    each id once, and each sample's sha256 that of the content the job will use (the family recomputes
+    it: a text, a pair, an image's bytes in the pinned snapshot). Anything else raises DamagedArtifact."""
+    samples = read_json(path, "samples")["samples"]
+    seen: set = set()
+    for s in samples:
+        if s["id"] in seen:
+            raise artifacts.DamagedArtifact(path, f"lists sample {s['id']!r} twice")
+        seen.add(s["id"])
+    for s, actual in zip(samples, _family(family).content_sha256(samples)):
+        if actual != s["sha256"]:
+            raise artifacts.DamagedArtifact(path, f"sample {s['id']!r} records sha256 {s['sha256']}, its content "
+                                                  f"hashes to {actual}: the list is not the one fetch_dataset drew")
+    return samples
+
+
+def _samples(samples_jsons: dict[str, str], family: str) -> dict[str, list[dict[str, Any]]]:
+    return {name: read_samples(path, family) for name, path in samples_jsons.items()}
 
 
 # --- reference and calibration ----------------------------------------------------------------
@@ -184,7 +201,7 @@ def reference(family: str, model: str, setting: dict[str, Any], metrics: dict[st
     started = now()
     _deterministic()
     device = _device()
-    tensors, blocks = _family(family).reference(_snapshot(checkpoint_json), _samples(samples_jsons),
+    tensors, blocks = _family(family).reference(_snapshot(checkpoint_json), _samples(samples_jsons, family),
                                                 _setting(setting), metrics, seeds, device, getattr(torch, dtype))
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     artifacts.atomic_write(out_tensors, save(tensors))
@@ -210,7 +227,7 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
     graph = next(iter(fam.graphs(st, architecture)))
     module = fam.module(ckpt, graph, st).to(device)
     paths = [samples_json] if isinstance(samples_json, (str, Path)) else list(samples_json)
-    samples = [s for p in paths for s in read_json(p, "samples")["samples"]]
+    samples = [s for p in paths for s in read_samples(p, family)]
     batches = [{k: v.to(device) for k, v in b.items()} for b in fam.calibration_batches(ckpt, samples, st)]
     log.info("calibrating %s (%s, graph %s) on %d samples (%d batches)", model, st.name, graph, len(samples),
              len(batches))
@@ -297,14 +314,17 @@ def export(ident: dict[str, Any], family: str, setting: dict[str, Any], architec
 def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any],
           architecture: dict[str, Any], spec: dict[str, Any], recipe: dict[str, Any], checkpoint_json: str,
           amax_json: str | None, out: str, export_json: str | None = None) -> None:
-    """Build one engine per graph (variant x target). A build that raises is recorded as failed.
+    """Build one engine per graph (variant x target), then its measurements record beside `out`
+    (measurements.json, record.py), read from the engine and ONNX files. A build that raises, or whose
+    record cannot be made, is recorded as failed, in both files.
 
     The torch backend builds from the variant module; onnxruntime and tensorrt from the
     variant's exported ONNX (`export_json`).
     """
-    from quantstudy import backends
+    from quantstudy import backends, record
 
     started = now()
+    out_measurements = str(Path(out).with_name(record.FILE))
     inputs = {"checkpoint": checkpoint_json, **({"amax": amax_json} if amax_json else {}),
               **({"export": export_json} if export_json else {})}
     params = {"spec": spec, "recipe": recipe, "target": target, "setting": setting}
@@ -312,8 +332,9 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
         _deterministic()
         amax_doc = read_json(amax_json, "amax") if amax_json else None
         backend = backends.get(target["backend"])
-        st, engines = _setting(setting), {}
+        st, engines, linear = _setting(setting), {}, None
         graphs = _family(family).graphs(st, architecture)
+        exported = None
         if getattr(backend, "INPUT", "module") == "onnx":
             exported = read_json(export_json, "export")
             if exported["status"] != "ok":
@@ -324,6 +345,7 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
                 engines[name] = backend.build(g["onnx"], Path(out).parent / name, target, _profile(graphs[name]))
         else:
             modules = _variant_modules(family, _snapshot(checkpoint_json), st, spec, recipe, amax_doc, graphs)
+            linear = {name: _linear_layers(model) for name, (model, _) in modules.items()}
             for name, (model, summary) in modules.items():
                 engines[name] = backend.build(model, Path(out).parent / name)
         for engine in engines.values():  # what every job that opens it checks, and the audit
@@ -337,8 +359,21 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
         write_json(out, "build", {"status": "ok", **ident, "spec": spec, **summary, "graphs": engines,
                                   "engine_bytes": engine_bytes, "calibration": calibration,
                                   "provenance": provenance("build", inputs, params, started)})
+        record.measurements(ident, target, read_json(out, "build"), out, linear, amax_json, exported, export_json,
+                            out_measurements, started)
     except Exception:
-        _failure("build", out, ident, traceback.format_exc(), "build", inputs, params, started, spec=spec)
+        error = traceback.format_exc()
+        _failure("build", out, ident, error, "build", inputs, params, started, spec=spec)
+        record.failed(ident, error, out, out_measurements, started)
+
+
+def _linear_layers(model) -> list[str]:
+    """The module names of a variant module's linear layers, FP8 or not."""
+    import torch
+
+    from quantstudy.quantization import FP8Linear
+
+    return [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, FP8Linear))]
 
 
 # What an export JSON says of itself, not of the variant: a build does not copy these.
@@ -500,7 +535,7 @@ def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting
                                    st.batch) for v, p in against_builds.items()}
         with torch.no_grad():
             result = _family(family).evaluate(_snapshot(checkpoint_json), _batched_run(runners, st.batch),
-                                              load_file(reference_tensors), _samples(samples_jsons), st, metrics,
+                                              load_file(reference_tensors), _samples(samples_jsons, family), st, metrics,
                                               seeds, target["device"], against)
         log.info("%s; non-finite %d", result.blocks, result.total_nonfinite)
         probe = _probe(family, build_doc, checkpoint_json, st, runners)

@@ -69,6 +69,11 @@ def calibration_samples(w):
     return [samples_json(w, name) for name in calibration_sample_sets(study(w).recipe)]
 
 
+def study_sample_lists(w):
+    """Every sample list the study's jobs read (calibration, then evaluation), each once."""
+    return list(dict.fromkeys(calibration_samples(w) + list(evaluation_samples(w).values())))
+
+
 def first_model_checkpoint(w):
     return f"results/{w.study}/{next(iter(study(w).models))}/checkpoint.json"
 
@@ -142,9 +147,9 @@ def study_targets(s):
 
 
 def engine_files(s, name):
-    """Every per-variant artifact `name` of a study: each engine it measures (builds: each engine
-    it builds; timings and kernels: not those of models with `timing: false`), on each of its targets."""
-    if name == "build.json":
+    """Every per-variant artifact `name` of a study: each engine it measures (builds and their
+    measurements records: each engine it builds; timings and kernels: not those of models with `timing: false`), on each of its targets."""
+    if name in ("build.json", "measurements.json"):
         engines = s.builds(RUN.targets)
     else:
         engines = s.engines(RUN.targets, quality_only=name == "quality.json",

@@ -32,6 +32,7 @@ rule build:
         checkpoint=checkpoint_json,
     output:
         build=f"{VARIANT_DIR}/build.json",
+        measurements=f"{VARIANT_DIR}/measurements.json",
     params:
         ident=variant_ident,
         family=lambda w: study(w).family,

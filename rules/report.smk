@@ -5,6 +5,7 @@
 rule aggregate:
     input:
         builds=lambda w: engine_files(study(w), "build.json"),
+        records=lambda w: engine_files(study(w), "measurements.json"),
         timings=lambda w: engine_files(study(w), "timing.json"),
         kernels=lambda w: engine_files(study(w), "kernels.json"),
         qualities=lambda w: engine_files(study(w), "quality.json"),
@@ -12,6 +13,7 @@ rule aggregate:
         amax=lambda w: [amax_json(w.study, m, s) for m in study(w).models for s in study(w).calibration_settings(m)],
         checkpoints=lambda w: [f"results/{w.study}/{m}/checkpoint.json" for m in study(w).models],
         published=lambda w: [study(w).published] if study(w).published else [],
+        samples=study_sample_lists,
     output:
         tables=report("results/{study}/tables.json", caption="../report/tables.rst", category=study_title,
                       subcategory="data"),

@@ -3,4 +3,4 @@ from quantstudy.jobserver import optional, run
 
 run("quantstudy.steps:build", snakemake.log[0], checkpoint_json=str(snakemake.input.checkpoint),
     amax_json=optional(snakemake.input, "amax"), export_json=optional(snakemake.input, "export"),
-    out=str(snakemake.output.build), **snakemake.params)
+    out=str(snakemake.output.build), **snakemake.params)  # measurements.json goes beside build.json

@@ -62,7 +62,7 @@ def test_a_value_edited_after_its_job_wrote_it_is_refused_on_read(tmp_path):
 
     path = tmp_path / "samples.json"
     doc = {"dataset": "wikitext", "repo": "org/data", "revision": "0" * 40, "split": "test", "kind": "passages",
-           "samples": [{"id": 1, "sha256": "ab", "x": np.float32(0.1)}], "provenance": artifacts.provenance("fetch_dataset")}
+           "samples": [{"id": 1, "sha256": "ab" * 32, "x": np.float32(0.1)}], "provenance": artifacts.provenance("fetch_dataset")}
     artifacts.write_json(path, "samples", doc)
     assert read_json(path, "samples")["samples"][0]["x"] == pytest.approx(0.1)
     text = path.read_text()

@@ -392,3 +392,108 @@ def test_an_edited_readme_number_fails_the_audit(workflow_copy, tmp_path):
     assert ("results/fnet/README.md is not what the templates render from results/fnet/tables.json"
             in (repo / "logs/fnet/audit.log").read_text())
     assert _audit_cli(repo, "check", "results/fnet").returncode == 1
+
+
+def test_each_built_variant_has_a_measurements_record_read_from_its_files(workflow_copy):
+    """measurements.json beside each build.json: the FP8 layers, their dtypes, the amax file's sha256, and
+    for the ONNX target the opset and the Q/DQ ops counted in the exported graph; the README links each."""
+    from quantstudy.artifacts import sha256_file
+
+    w512 = workflow_copy / "results/fnet/{}/fnet-base/w512/{}"
+    build = json.loads((Path(str(w512).format("cpu-onnxruntime", "fp8")) / "build.json").read_text())
+    export = json.loads((workflow_copy / "results/fnet/fnet-base/w512/onnx/fp8/export.json").read_text())
+    ort = json.loads((Path(str(w512).format("cpu-onnxruntime", "fp8")) / "measurements.json").read_text())
+    assert ort["status"] == "ok" and ort["fp8_layers"] == {"count": len(build["fp8_layers"]),
+                                                           "names": sorted(build["fp8_layers"])}
+    assert ort["amax"]["path"] == build["provenance"]["inputs"]["amax"]["path"]
+    assert ort["amax"]["sha256"] == sha256_file(workflow_copy / ort["amax"]["path"])
+    graph, ops = ort["onnx"]["main"], export["graphs"]["main"]["op_counts"]
+    assert graph["opset"] == 21 and graph["sha256"] == export["graphs"]["main"]["onnx_sha256"]
+    assert graph["QuantizeLinear"] == {"count": ops["QuantizeLinear"], "output_types": {"float8_e4m3fn": ops["QuantizeLinear"]}}
+    assert graph["DequantizeLinear"] == {"count": ops["DequantizeLinear"], "output_types": {"float16": ops["DequantizeLinear"]}}
+    fp8 = ort["graphs"]["main"]["layers"]["fp8_linear"]
+    assert fp8 == {"layers": len(build["fp8_layers"]), "weight": ["float8_e4m3fn"], "activation": ["float8_e4m3fn"],
+                   "dequantized_to": ["float16"]}
+    assert ort["builder"]["graph_optimization_level"] == "ORT_ENABLE_ALL" and ort["builder"]["intra_op_num_threads"] == 1
+
+    torch_fp8 = json.loads((Path(str(w512).format("cpu-torch", "fp8")) / "measurements.json").read_text())
+    assert torch_fp8["onnx"] == "not exported" and torch_fp8["fp8_path"].startswith("fake-quant")
+    assert torch_fp8["graphs"]["main"]["layers"]["fp8_linear"]["weight"] == ["float8_e4m3fn"]
+    assert torch_fp8["builder"] == {"device": "cpu", "torch_compile": False, "cuda_graph": False}
+    fp16 = json.loads((Path(str(w512).format("cpu-torch", "fp16-hs")) / "measurements.json").read_text())
+    assert fp16["amax"] == "none" and fp16["fp8_layers"] == {"count": 0, "names": "none"} and fp16["fp8_path"] == "none"
+    assert fp16["graphs"]["main"]["layers"]["linear"]["weight"] == ["float16"]
+    broken = json.loads((Path(str(w512).format("cpu-torch", "fp8-broken")) / "measurements.json").read_text())
+    assert broken["status"] == "failed" and "selects no layer" in broken["error"]
+
+    readme = (workflow_copy / "results/fnet/README.md").read_text()
+    row = next(line for line in readme.splitlines()
+               if line.startswith("| cpu-onnxruntime | fnet-base, 512 | fp8 |") and "measurements.json" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4] == str(len(build["fp8_layers"])) and cells[7] == "21"
+    assert cells[8] == f"{ops['QuantizeLinear']} / {ops['DequantizeLinear']}"
+    link = re.search(r"\]\(([^)]+)\)", cells[9]).group(1)
+    assert link == "cpu-onnxruntime/fnet-base/w512/fp8/measurements.json"
+    assert (workflow_copy / "results/fnet" / link).is_file()
+
+
+def test_sample_lists_are_linked_with_their_counts_and_in_a_quality_numbers_chain(workflow_copy):
+    from quantstudy.artifacts import sha256_file
+
+    readme = (workflow_copy / "results/fnet/README.md").read_text()
+    for name, used_for in (("calibration", "calibration"), ("heldout", "evaluation"), ("sts", "evaluation")):
+        samples = json.loads((workflow_copy / f"results/fnet/data/{name}.json").read_text())["samples"]
+        row = next(line for line in readme.splitlines() if line.startswith(f"| [`data/{name}.json`](data/{name}.json) |"))
+        assert f"| {used_for} | {len(samples)} |" in row
+        assert sha256_file(workflow_copy / f"results/fnet/data/{name}.json") in row
+    quality = "results/fnet/cpu-torch/fnet-base/w512/fp8/quality.json"
+    recorded = json.loads((workflow_copy / quality).read_text())["provenance"]["inputs"]["heldout"]
+    assert recorded == {"path": "results/fnet/data/heldout.json",
+                        "sha256": sha256_file(workflow_copy / "results/fnet/data/heldout.json")}
+    proc = _audit_cli(workflow_copy, "chain", quality)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip() == "results/fnet/data/heldout.json")
+    assert "rule fetch_dataset, " in lines[at + 1]
+
+
+def _edit_an_id(text: str) -> str:
+    """A user's edit: one sample's id changed in place."""
+    return re.sub(r'"id": (\d+),', lambda m: f'"id": {int(m.group(1)) + 1000},', text, count=1)
+
+
+def _rewrite_a_hash(text: str) -> str:
+    """One sample's sha256 changed and the file written again the way its job writes it (its digest then
+    matches): a list that looks whole, and that only the per-sample check can tell from the drawn one."""
+    from quantstudy import artifacts
+
+    doc = json.loads(text)
+    doc["samples"][0]["sha256"] = "0" * 64
+    doc[artifacts.DIGEST] = artifacts.content_digest(doc)
+    return json.dumps(doc, indent=1) + "\n"
+
+
+@pytest.mark.parametrize("tamper, refusal", [
+    (_edit_an_id, "results/fnet/data/heldout.json: does not match its content_sha256"),
+    (_rewrite_a_hash, "results/fnet/data/heldout.json: sample"),
+])
+def test_a_sample_list_tampered_then_rerun_is_refused_and_the_audit_names_it(workflow_copy, tmp_path, tamper, refusal):
+    """A sample list changed after a finished run, then `snakemake` again: the jobs that read it refuse it
+    with the reason, and the audit fails naming the list as the link that changed under the quality
+    numbers. (Before each job recomputed every sample's hash, a rewritten hash passed: the rerun
+    recomputed everything from the edited list and the audit came out clean.)"""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    heldout = repo / "results/fnet/data/heldout.json"
+    text = heldout.read_text()
+    heldout.write_text(tamper(text))
+    assert heldout.read_text() != text
+    proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
+    assert proc.returncode != 0
+    assert refusal in (repo / "logs/fnet/fnet-base/w512/reference.log").read_text()
+    proc = _audit_cli(repo, "check", "results/fnet")
+    assert proc.returncode == 1
+    assert ("results/fnet/cpu-torch/fnet-base/w512/fp8/quality.json: input heldout (results/fnet/data/heldout.json) "
+            "changed since the job that read it recorded its sha256") in proc.stdout

@@ -39,6 +39,16 @@ def _session_options(target: dict[str, Any], profile_prefix: str | None = None) 
     return so
 
 
+def builder_options(target: dict[str, Any]) -> dict[str, Any]:
+    """The session options this target's sessions are opened with (`_session_options`), and the FP8 path."""
+    so = _session_options(target)
+    threads = so.intra_op_num_threads
+    return {"graph_optimization_level": str(so.graph_optimization_level).rsplit(".", 1)[-1],
+            "intra_op_num_threads": threads if threads > 0 else "ONNX Runtime default (one per core)",
+            "execution_providers": PROVIDERS,
+            "fp8_path": "float8e4m3fn QuantizeLinear / DequantizeLinear run by ONNX Runtime's CPU kernels"}
+
+
 def _place(onnx_path: Path, out_dir: Path) -> Path:
     """The exported ONNX (and any external-data file) in the build folder: hard link, or copy."""
     import onnx

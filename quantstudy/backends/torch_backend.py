@@ -36,6 +36,18 @@ def build(model: nn.Module, out_dir: str | Path) -> dict[str, Any]:
             "weight_dtypes": sorted({str(v.dtype).removeprefix("torch.") for v in state.values()})}
 
 
+def builder_options(target: dict[str, Any]) -> dict[str, Any]:
+    """How this target runs a variant module: device, torch.compile, CUDA graph, and the FP8 GEMM path."""
+    from quantstudy.quantization import fp8_gemm_supported
+
+    device = target["device"]
+    fp8 = ("real FP8 GEMMs: torch._scaled_mm with static per-tensor scales (a layer whose K or N is not a multiple "
+           "of 16 stays fake-quant)" if fp8_gemm_supported(device) else
+           "fake-quant: float8_e4m3fn round trip of weights and activations, GEMM in the work precision")
+    return {"device": device, "torch_compile": bool(target.get("compile", False)),
+            "cuda_graph": torch.device(device).type == "cuda", "fp8_path": fp8}
+
+
 def load(skeleton: nn.Module, out_dir: str | Path, device: str = "cpu") -> nn.Module:
     """Fill a variant skeleton (same structure, any weights) with the engine file's weights.
 

@@ -115,6 +115,10 @@ class Family(Protocol):
     def draw_samples(self, rows: Any, spec: dict[str, Any], processor: Any) -> list[dict[str, Any]]:
         """Seeded samples from a dataset split (a `datasets.Dataset`), each with `id` and `sha256`."""
 
+    def content_sha256(self, samples: list[dict[str, Any]]) -> list[str]:
+        """The sha256 of the content a job uses of each sample (its text, its pair, its image's bytes): what
+        `draw_samples` records as its `sha256`, recomputed by every job that reads a sample list."""
+
     def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
                             setting: Setting) -> list[Inputs]: ...
 

@@ -171,6 +171,11 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _content_sha(sample: dict[str, Any]) -> str:
+    """A passage's text, or an NLI pair's premise and hypothesis on two lines: what the jobs tokenize."""
+    return _sha(sample["text"] if "text" in sample else sample["premise"] + "\n" + sample["hypothesis"])
+
+
 @register("deberta_v2")
 class DebertaV2:
     """Adapter: DeBERTa-v2/v3 as a token-feature encoder, one `main` graph per window and batch."""
@@ -315,18 +320,22 @@ class DebertaV2:
                 if not text or text.startswith("="):
                     continue
                 n = count(text)
-                sample = {"id": i, "text": text, "tokens": n, "sha256": _sha(text)}
+                sample = {"id": i, "text": text, "tokens": n}
             else:
                 if r["label"] not in (0, 1, 2):  # unlabelled (test split) rows carry -1
                     continue
                 n = count(r["premise"]) + count(r["hypothesis"])
                 sample = {"id": i, "premise": r["premise"], "hypothesis": r["hypothesis"], "label": int(r["label"]),
-                          "tokens": n, "sha256": _sha(r["premise"] + "\n" + r["hypothesis"])}
+                          "tokens": n}
             if lo <= n <= hi:
-                samples.append(sample)
+                samples.append({**sample, "sha256": _content_sha(sample)})
             if len(samples) == spec["count"]:
                 break
         return samples
+
+    @staticmethod
+    def content_sha256(samples: list[dict[str, Any]]) -> list[str]:
+        return [_content_sha(s) for s in samples]
 
     def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
                             setting: Setting) -> list[dict[str, torch.Tensor]]:

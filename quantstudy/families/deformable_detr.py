@@ -254,6 +254,9 @@ class DeformableDetr:
     def draw_samples(self, rows: Any, spec: dict[str, Any], processor: Any) -> list[dict[str, Any]]:
         raise NotImplementedError(NOT_YET)
 
+    def content_sha256(self, samples: list[dict[str, Any]]) -> list[str]:
+        raise NotImplementedError(NOT_YET)
+
     def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
                             setting: base.Setting) -> list[dict[str, torch.Tensor]]:
         """One batch per image ({"id", "image": HxWx3 uint8 array or PIL image, "sha256"}).

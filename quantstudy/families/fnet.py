@@ -130,6 +130,11 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _content_sha(sample: dict[str, Any]) -> str:
+    """A passage's text, or a pair's two sentences on two lines: what the jobs feed the model."""
+    return _sha(sample["text"] if "text" in sample else sample["sentence1"] + "\n" + sample["sentence2"])
+
+
 @register("fnet")
 class FNet:
     """Adapter: FNet as a pooled-feature encoder, one `main` graph per window and batch."""
@@ -244,18 +249,22 @@ class FNet:
                     continue
                 n = len(processor(text, add_special_tokens=False)["input_ids"])
                 if lo <= n <= hi:
-                    samples.append({"id": i, "text": text, "tokens": n, "sha256": _sha(text)})
+                    samples.append({"id": i, "text": text, "tokens": n, "sha256": _content_sha({"text": text})})
                 if len(samples) == spec["count"]:
                     break
         elif spec["kind"] == "sentence_pairs":
             for i in range(min(spec["count"], len(rows))):
                 r = rows[i]
                 score = r.get("score", r.get("label"))
-                samples.append({"id": i, "sentence1": r["sentence1"], "sentence2": r["sentence2"],
-                                "score": float(score), "sha256": _sha(r["sentence1"] + "\n" + r["sentence2"])})
+                sample = {"id": i, "sentence1": r["sentence1"], "sentence2": r["sentence2"], "score": float(score)}
+                samples.append({**sample, "sha256": _content_sha(sample)})
         else:
             raise ValueError(f"FNet draws passages or sentence_pairs, not {spec['kind']!r}")
         return samples
+
+    @staticmethod
+    def content_sha256(samples: list[dict[str, Any]]) -> list[str]:
+        return [_content_sha(s) for s in samples]
 
     def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
                             setting: Setting) -> list[dict[str, torch.Tensor]]:

@@ -57,6 +57,13 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _content_sha(sample: dict[str, Any]) -> str:
+    """A prompt's text, or a question, its choices and its answer's index on lines of their own."""
+    if "text" in sample:
+        return _sha(sample["text"])
+    return _sha("\n".join([sample["question"], *sample["choices"], str(sample["answer"])]))
+
+
 def _allowed(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """Which keys a query sees: causal, and in a local layer only the last `window` positions."""
     ok = key_pos <= query_pos
@@ -295,19 +302,22 @@ class GPTNeo:
             row = rows[i]
             if kind == "chat_prompts":
                 text = next((m["content"] for m in row["messages"] if m["role"] == "user"), "").strip()
-                sample = {"id": i, "text": text, "tokens": count(text), "sha256": _sha(text)} if text else None
+                sample = {"id": i, "text": text, "tokens": count(text)} if text else None
             else:
                 choices = list(row["choices"]["text"])
                 answer = list(row["choices"]["label"]).index(row["answerKey"])
                 longest = max(choices, key=len)
                 sample = {"id": i, "question": row["question"], "choices": choices, "answer": answer,
-                          "tokens": count(f"{row['question']} {longest}"),
-                          "sha256": _sha("\n".join([row["question"], *choices, str(answer)]))}
+                          "tokens": count(f"{row['question']} {longest}")}
             if sample is not None and lo <= sample["tokens"] <= hi:
-                samples.append(sample)
+                samples.append({**sample, "sha256": _content_sha(sample)})
             if len(samples) == spec["count"]:
                 break
         return samples
+
+    @staticmethod
+    def content_sha256(samples: list[dict[str, Any]]) -> list[str]:
+        return [_content_sha(s) for s in samples]
 
     def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
                             setting: base.Setting) -> list[base.Inputs]:

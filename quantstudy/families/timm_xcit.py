@@ -34,6 +34,7 @@ from the shard and checks their hash.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -192,23 +193,30 @@ def _image_column(row: dict[str, Any]) -> str:
     return found[0]
 
 
-def load_images(samples: list[dict[str, Any]]) -> list:
-    """The samples' images (RGB PIL), read from their shards and checked against their sha256."""
-    from PIL import Image
-
-    images, open_shards = [], {}
+def _image_bytes(samples: list[dict[str, Any]]):
+    """Each sample's image bytes as stored in its shard (each shard opened once), in order."""
+    open_shards = {}
     try:
         for s in samples:
             if s["shard"] not in open_shards:
                 open_shards[s["shard"]] = tarfile.open(s["shard"])
-            data = open_shards[s["shard"]].extractfile(s["member"]).read()
+            yield open_shards[s["shard"]].extractfile(s["member"]).read()
+    finally:
+        for t in open_shards.values():
+            t.close()
+
+
+def load_images(samples: list[dict[str, Any]]) -> list:
+    """The samples' images (RGB PIL), read from their shards and checked against their sha256."""
+    from PIL import Image
+
+    images = []
+    with contextlib.closing(_image_bytes(samples)) as blobs:  # shards closed also when a check fails
+        for s, data in zip(samples, blobs):
             if _sha(data) != s["sha256"]:
                 raise ValueError(f"timm_xcit: {s['member']} in {s['shard']} does not have the sample's sha256 "
                                  f"{s['sha256']}: the dataset snapshot is not the one the samples were drawn from")
             images.append(Image.open(io.BytesIO(data)).convert("RGB"))
-    finally:
-        for t in open_shards.values():
-            t.close()
     return images
 
 
@@ -353,6 +361,10 @@ class TimmXcit:
             samples.append({"id": row["__key__"], "label": int(row["cls"]), "sha256": _sha(data),
                             "shard": row["__url__"], "member": f"{row['__key__']}.{ext}"})
         return samples
+
+    @staticmethod
+    def content_sha256(samples: list[dict[str, Any]]) -> list[str]:
+        return [_sha(data) for data in _image_bytes(samples)]
 
     def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
                             setting: base.Setting) -> list[base.Inputs]:

@@ -167,7 +167,9 @@ def figure(tables: dict[str, Any]):
         for p in mine:
             if p.x is None or p.y is None:
                 continue
-            err = [[p.x - p.x_min], [p.x_max - p.x]] if p.x_min is not None and p.x_max is not None else None
+            # clamped: an x outside its rounds' range (a median of jobs, or an edited file) still plots
+            err = ([[max(0.0, p.x - p.x_min)], [max(0.0, p.x_max - p.x)]]
+                   if p.x_min is not None and p.x_max is not None else None)
             ax.errorbar([p.x], [p.y], xerr=err, fmt=marker[_series_label(p, settings, several)], ms=7,
                         mfc="none", mec=colour[p.variant], ecolor=colour[p.variant], elinewidth=0.8, capsize=2,
                         mew=1.4, zorder=3)

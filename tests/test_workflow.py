@@ -357,7 +357,7 @@ def test_the_readme_lists_the_published_numbers_none_reproduced_on_tiny_models(w
             "column published_min = 2.838, from config/published/fnet.yaml") in proc.stdout
 
 
-def test_editing_the_published_numbers_reruns_aggregate_render_and_audit(workflow_copy):
+def test_editing_the_published_numbers_reruns_aggregate_plot_render_and_audit(workflow_copy):
     import os
 
     path = workflow_copy / "config/published/fnet.yaml"
@@ -366,7 +366,7 @@ def test_editing_the_published_numbers_reruns_aggregate_render_and_audit(workflo
         path.write_text(original.replace('fp32: "2.838"', 'fp32: "2.839"', 1))
         proc = snakemake(workflow_copy, "-n", "--configfile", ".test/config.yaml")
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert sorted(rule for rule, _ in planned_jobs(proc.stdout + proc.stderr)) == ["aggregate", "all", "audit", "render"]
+        assert sorted(rule for rule, _ in planned_jobs(proc.stdout + proc.stderr)) == ["aggregate", "all", "audit", "plot", "render"]
     finally:
         path.write_text(original)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))

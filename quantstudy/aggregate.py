@@ -92,7 +92,8 @@ def across_repeats(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     x is the median of the jobs' x (of two, their mean); baseline and variant ms the medians of
     the jobs' medians; x_min / x_max the range over every job's paired rounds. Across the jobs:
     x_by_repeat (in repeat order), x_jobs_min / x_jobs_max and x_jobs_spread = (max - min) / median
-    of their x, measured only where two or more jobs timed the variant (else None). A failed or
+    of their x, measured only where two or more jobs timed the variant (else None); `source` is the
+    first job's file, `timing_sources` every job's. A failed or
     damaged job makes the variant's row that failure, so a decision never rests on the jobs that
     happened to succeed.
     """
@@ -123,7 +124,7 @@ def across_repeats(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                          "x_jobs_min": min(measured) if several else None,
                          "x_jobs_max": max(measured) if several else None,
                          "x_jobs_spread": (max(measured) - min(measured)) / median if several and median else None,
-                         "sources": [r["source"] for r in graph_rows]})
+                         "timing_sources": [r["source"] for r in graph_rows]})
     return rows
 
 

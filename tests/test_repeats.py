@@ -66,7 +66,7 @@ def test_across_repeats_by_hand():
     assert (row["x_min"], row["x_max"]) == (0.97, 1.09)  # the widest round range
     assert (row["x_jobs_min"], row["x_jobs_max"]) == (1.00, 1.05)
     assert row["x_jobs_spread"] == pytest.approx(0.05 / 1.02)
-    assert row["source"].endswith("/timing.json") and len(row["sources"]) == 3
+    assert row["source"].endswith("/timing.json") and len(row["timing_sources"]) == 3
     # Two jobs: the median is their mean.
     [two] = aggregate.across_repeats(jobs[1:])
     assert two["x"] == pytest.approx(1.01) and two["x_jobs_spread"] == pytest.approx(0.02 / 1.01)

@@ -437,7 +437,7 @@ def test_repeats_time_each_variant_in_separate_jobs_and_render_their_spread(work
     jobs = planned_jobs(proc.stdout + proc.stderr)
     timed = sorted((w["target"], w["variant"]) for rule, w in jobs if rule == "time")
     assert len(timed) == 7 and {w["repeat"] for rule, w in jobs if rule == "time"} == {"-r2"}
-    assert sorted(rule for rule, _ in jobs if rule != "time") == ["aggregate", "all", "audit", "render"]
+    assert sorted(rule for rule, _ in jobs if rule != "time") == ["aggregate", "all", "audit", "plot", "render"]
     proc = snakemake(repo, *args)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -450,7 +450,7 @@ def test_repeats_time_each_variant_in_separate_jobs_and_render_their_spread(work
     assert len(ok_rows) == 6 and [r["source"] for r in tables["speed"] if r["status"] != "ok"] == [
         f"results/fnet/cpu-torch/fnet-base/w512/fp8-broken/{name}" for name in ("timing.json", "timing-r2.json")]
     for row in ok_rows:
-        docs = [json.loads((repo / s).read_text()) for s in row["sources"]]
+        docs = [json.loads((repo / s).read_text()) for s in row["timing_sources"]]
         assert [d["repeat"] for d in docs] == [d["provenance"]["params"]["repeat"] for d in docs] == [1, 2]
         assert docs[0]["provenance"]["started"] != docs[1]["provenance"]["started"]
         xs = [d["graphs"]["main"]["x"] for d in docs]

@@ -1,9 +1,10 @@
 """How far x moves between jobs: the candidate's x per setting in several runs' tables.json.
 
     python benchmarks/x_between_jobs.py RUN1/tables.json RUN2/tables.json [...] [--names a b ...]
+    python benchmarks/x_between_jobs.py RUN/tables.json      # a run with timing repeats: one column per repeat
 
-Each column is one run (one timing job per setting); the change columns compare each run with
-the one before it.
+Each column is one timing job per setting (a run's, or one repeat of a run with `timing_repeats`);
+the change columns compare each job with the one before it.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ import json
 from pathlib import Path
 
 
-def x_by_setting(tables: dict) -> dict[tuple[str, str, str], float | None]:
+def x_by_setting(tables: dict, repeat: int | None = None) -> dict[tuple[str, str, str], float | None]:
+    """The candidate's x per setting: the row's x, or that of one repeat (1, 2, ...)."""
     cand = tables["spec"]["candidate"]
-    return {(r["target"], r["model"], r["setting"]): r.get("x") for r in tables["speed"] if r["variant"] == cand}
+    rows = [r for r in tables["speed"] if r["variant"] == cand]
+    if repeat is None:
+        return {(r["target"], r["model"], r["setting"]): r.get("x") for r in rows}
+    return {(r["target"], r["model"], r["setting"]): (r.get("x_by_repeat") or [None] * repeat)[repeat - 1] for r in rows}
 
 
 def main() -> None:
@@ -23,8 +28,14 @@ def main() -> None:
     parser.add_argument("tables", nargs="+", type=Path)
     parser.add_argument("--names", nargs="+")
     args = parser.parse_args()
-    names = args.names or [str(p.parent) for p in args.tables]
-    runs = [x_by_setting(json.loads(p.read_text())) for p in args.tables]
+    docs = [json.loads(p.read_text()) for p in args.tables]
+    repeats = docs[0]["spec"]["timing"].get("repeats", 1)
+    if len(docs) == 1 and repeats > 1:
+        names = args.names or [f"r{i}" for i in range(1, repeats + 1)]
+        runs = [x_by_setting(docs[0], i) for i in range(1, repeats + 1)]
+    else:
+        names = args.names or [str(p.parent) for p in args.tables]
+        runs = [x_by_setting(d) for d in docs]
     header = ["target", "model", "setting"] + [f"x {n}" for n in names] + \
              [f"{names[i]} vs {names[i - 1]}" for i in range(1, len(names))]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import statistics
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -80,9 +81,51 @@ def _rows(paths: list[str], kind: str, flatten_doc: Callable[[dict], Iterable[di
 
 def _speed(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
     for graph, g in doc["graphs"].items():
-        yield {"graph": graph, "baseline": doc["baseline"], "batch": doc["batch"], **doc["shape"],
-               "variant_ms": g["variant_ms"]["median_ms"], "variant_spread": g["variant_ms"]["spread"],
+        yield {"graph": graph, "repeat": doc.get("repeat", 1), "baseline": doc["baseline"], "batch": doc["batch"],
+               **doc["shape"], "variant_ms": g["variant_ms"]["median_ms"], "variant_spread": g["variant_ms"]["spread"],
                "baseline_ms": g["baseline_ms"]["median_ms"], "x": g["x"], "x_min": g["x_min"], "x_max": g["x_max"]}
+
+
+def across_repeats(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One speed row per variant and graph from the rows of its timing jobs (`timing.repeats`).
+
+    x is the median of the jobs' x (of two, their mean); baseline and variant ms the medians of
+    the jobs' medians; x_min / x_max the range over every job's paired rounds. Across the jobs:
+    x_by_repeat (in repeat order), x_jobs_min / x_jobs_max and x_jobs_spread = (max - min) / median
+    of their x, measured only where two or more jobs timed the variant (else None); `source` is the
+    first job's file, `timing_sources` every job's. A failed or
+    damaged job makes the variant's row that failure, so a decision never rests on the jobs that
+    happened to succeed.
+    """
+    by_variant: dict[tuple, list[dict[str, Any]]] = {}
+    for row in jobs:
+        by_variant.setdefault(tuple(row.get(k) for k in IDENT[:4]), []).append(row)
+    rows = []
+    for variant_rows in by_variant.values():
+        failed = [r for r in variant_rows if r.get("status") != "ok"]
+        if failed:
+            rows += failed
+            continue
+        by_graph: dict[str, list[dict[str, Any]]] = {}
+        for row in sorted(variant_rows, key=lambda r: r["repeat"]):
+            by_graph.setdefault(row["graph"], []).append(row)
+        for graph_rows in by_graph.values():
+            xs = [r["x"] for r in graph_rows]
+            measured = [x for x in xs if not _missing(x)]
+            median = statistics.median(measured) if measured else None
+            several = len(measured) > 1
+            first = {k: v for k, v in graph_rows[0].items() if k != "repeat"}
+            rows.append({**first, "repeats": len(graph_rows),
+                         "variant_ms": statistics.median(r["variant_ms"] for r in graph_rows),
+                         "variant_spread": statistics.median(r["variant_spread"] for r in graph_rows),
+                         "baseline_ms": statistics.median(r["baseline_ms"] for r in graph_rows),
+                         "x": median, "x_min": min(r["x_min"] for r in graph_rows),
+                         "x_max": max(r["x_max"] for r in graph_rows), "x_by_repeat": xs,
+                         "x_jobs_min": min(measured) if several else None,
+                         "x_jobs_max": max(measured) if several else None,
+                         "x_jobs_spread": (max(measured) - min(measured)) / median if several and median else None,
+                         "timing_sources": [r["source"] for r in graph_rows]})
+    return rows
 
 
 def _quality(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
@@ -266,7 +309,7 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
               targets: dict[str, dict[str, Any]], out: str) -> None:
     started = now()
     damaged: list[dict[str, str]] = []  # inputs that could not be read: rendered, never a bare decoder error
-    speed = _rows(inputs["timings"], "timing", _speed, damaged)
+    speed = pd.DataFrame(across_repeats(_records(_rows(inputs["timings"], "timing", _speed, damaged))))
     quality = _rows(inputs["qualities"], "quality", _quality, damaged)
     builds = _rows(inputs["builds"], "build", _build, damaged)
     kernels = _rows(inputs["kernels"], "kernels", _kernels, damaged)

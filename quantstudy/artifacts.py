@@ -53,7 +53,7 @@ def sha256_path(path: str | Path) -> str:
 
 
 def now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")  # whether two jobs overlapped shows
 
 
 def software_versions() -> dict[str, str]:

@@ -124,20 +124,19 @@ def check_chain(tables_json: str | Path) -> dict[str, Any]:
         if doc.get("schema") in ("checkpoint", "samples") and pins.get(doc["repo"], doc["revision"]) != doc["revision"]:
             problems.append(f"{s['path']}: fetched {doc['repo']} at {doc['revision']}, but the study pins "
                             f"{pins[doc['repo']]}")
-    measured: dict[str, dict[str, tuple[str, dict]]] = {}  # build.json -> {rule: (artifact, its doc)}
+    # build.json -> {rule: [(artifact, its doc)]}: a variant timed in several jobs (repeats) has several timings
+    measured: dict[str, dict[str, list[tuple[str, dict]]]] = {}
     for s in steps:
         doc = s.get("doc") or {}
         if doc.get("engine_sha256") and "build" in doc.get("provenance", {}).get("inputs", {}):
-            measured.setdefault(doc["provenance"]["inputs"]["build"]["path"], {})[doc["provenance"]["rule"]] = (
-                s["path"], doc)
+            measured.setdefault(doc["provenance"]["inputs"]["build"]["path"], {}).setdefault(
+                doc["provenance"]["rule"], []).append((s["path"], doc))
     for build, jobs in measured.items():
-        if "time" not in jobs or "evaluate" not in jobs:
-            continue
-        (timing, t), (quality, q) = jobs["time"], jobs["evaluate"]
-        if t["engine_sha256"] != q["engine_sha256"]:
-            problems.append(f"{timing} and {quality} measured different engines of {build}")
-        elif "probe" in t and "probe" in q and (why := probes_differ(t["probe"], q["probe"])):
-            problems.append(f"{timing} and {quality} got different answers from the engine of {build}: {why}")
+        for (timing, t), (quality, q) in ((t, q) for t in jobs.get("time", []) for q in jobs.get("evaluate", [])):
+            if t["engine_sha256"] != q["engine_sha256"]:
+                problems.append(f"{timing} and {quality} measured different engines of {build}")
+            elif "probe" in t and "probe" in q and (why := probes_differ(t["probe"], q["probe"])):
+                problems.append(f"{timing} and {quality} got different answers from the engine of {build}: {why}")
     return {"files_checked": len({s["path"] for s in steps}), "problems": problems}
 
 

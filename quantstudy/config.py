@@ -114,6 +114,11 @@ class Study:
     def recipe(self) -> dict[str, Any]:
         return self.raw["recipe"]
 
+    @property
+    def repeats(self) -> int:
+        """Separate timing jobs per timed variant (`timing.repeats`, the run's where it sets one)."""
+        return self.raw["timing"]["repeats"]
+
     def setting(self, name: str) -> Setting:
         return self.settings[name]
 
@@ -203,6 +208,9 @@ def _validate(doc: Any, schema_file: str, where: str) -> None:
                        "not a branch or tag")
             elif e.validator == "oneOf" and "description" in e.schema:  # "not valid under any of the given schemas"
                 msg = f"{e.instance!r}: expected {e.schema['description']}"
+            elif path.endswith(("timing.repeats", "timing_repeats")):
+                msg = (f"{e.instance!r} is not a number of timing jobs: repeats is how many separate timing jobs "
+                       "each timed variant gets, a whole number of at least 1 (the default, 1: one job)")
             else:
                 msg = e.message
             lines.append(f"  {where}: {path}: {msg}")
@@ -267,14 +275,20 @@ def _path(p: str | Path) -> Path:
     return p if p.is_absolute() else ROOT / p
 
 
-def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, against_code: bool = True) -> Study:
-    """A study spec with its override files deep-merged over it in order, validated.
+def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, against_code: bool = True,
+               timing_repeats: int | None = None) -> Study:
+    """A study spec with its override files deep-merged over it in order, validated; `timing_repeats`
+    (the run's) in place of its `timing.repeats`.
 
     `against_code` also checks the names it gives the code (family, transforms, the layers its
     recipe patterns match), which imports torch and builds each model on the meta device."""
     doc = merged_study_doc(spec_path, overrides)
     where = " + ".join(str(p) for p in [spec_path, *_override_list(overrides)])
+    if timing_repeats is not None:
+        doc, where = deep_merge(doc, {"timing": {"repeats": timing_repeats}}), f"{where} + the run's timing_repeats"
     _validate(doc, "study.schema.yaml", where)
+    # One timing job per variant unless asked; int: the schema's integer also admits 2.0.
+    doc["timing"]["repeats"] = int(doc["timing"].get("repeats", 1))
     study = _build_study(_locked(doc, where), where, against_code)
     if study.published:
         # Against the spec as well as this run's doc: a tiny run's overrides may leave out a model
@@ -602,7 +616,7 @@ def load_run(config: dict[str, Any], against_code: bool = True) -> Run:
     _validate(config, "config.schema.yaml", "workflow config")
     studies = {}
     for name, entry in config["studies"].items():
-        study = load_study(entry["spec"], entry.get("overrides"), against_code)
+        study = load_study(entry["spec"], entry.get("overrides"), against_code, config.get("timing_repeats"))
         if study.name != name:
             raise ConfigError(f"config names study {name!r} but {entry['spec']} is study {study.name!r}")
         unknown = sorted(set(study.targets) - set(config["targets"]))

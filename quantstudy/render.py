@@ -113,6 +113,10 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
                            "model": model, "setting": setting, "graph": graph, "batch": settings[setting]["batch"],
                            "baseline": c.get("baseline"), "variants": variants, "candidate": c})
     b1 = [r["candidate"].get("x") for r in speed_rows if r["batch"] == 1]
+    # Timing jobs per variant; a tables.json written before repeats had one.
+    repeats = spec["timing"].get("repeats", 1)
+    across_jobs = [r for r in speed_rows if r["candidate"].get("status") == "ok"
+                   and r["candidate"].get("x_jobs_spread") is not None]
     bn = [r["candidate"].get("x") for r in speed_rows if r["batch"] > 1]
 
     q = defaultdict(dict)
@@ -165,6 +169,8 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "published": _published_view(t),
         "plot": PLOT, "main_quality": main_quality_condition(spec["decision"]),
         "samples": _samples_view(t), "link": functools.partial(link, t["study"]),
+        "repeats": repeats, "x_jobs_spread": value_range(r["candidate"]["x_jobs_spread"] for r in across_jobs),
+        "within_job_noise": [r for r in across_jobs if within_job_noise(r["candidate"])],
     }
 
 
@@ -177,6 +183,13 @@ def _samples_view(t: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: {"name": name, "count": s["count"], "kind": s["kind"], "split": s["split"], "source": None,
                    "dataset": spec["datasets"][s["dataset"]]["repo"],
                    "revision": spec["datasets"][s["dataset"]]["revision"]} for name, s in spec["samples"].items()}
+
+
+def within_job_noise(row: dict[str, Any]) -> bool:
+    """The candidate's x differs from 1 by no more than its range across timing jobs: these jobs do
+    not tell it from its baseline. Only where that range was measured (two or more jobs)."""
+    lo, hi = row.get("x_jobs_min"), row.get("x_jobs_max")
+    return lo is not None and hi is not None and abs(row["x"] - 1) <= hi - lo
 
 
 def _published_view(t: dict[str, Any]) -> dict[str, Any] | None:

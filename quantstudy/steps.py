@@ -434,13 +434,15 @@ def _engine_digests(build_doc: dict[str, Any]) -> dict[str, str]:
 
 
 def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,
-         timing: dict[str, int], checkpoint_json: str, build_json: str, baseline_build_json: str, out: str) -> None:
-    """Time each graph of the variant and of its baseline side by side (one process, interleaved rounds)."""
+         timing: dict[str, int], checkpoint_json: str, build_json: str, baseline_build_json: str, out: str,
+         repeat: int = 1) -> None:
+    """Time each graph of the variant and of its baseline side by side (one process, interleaved rounds).
+    `repeat`: which of the variant's separate timing jobs this is (1, 2, ...)."""
     from quantstudy import timing as qt
 
     started = now()
     inputs = {"checkpoint": checkpoint_json, "build": build_json, "baseline_build": baseline_build_json}
-    params = {"target": target, "timing": timing, "setting": setting}
+    params = {"target": target, "timing": timing, "setting": setting, "repeat": repeat}
     variant_doc, base_doc = read_json(build_json, "build"), read_json(baseline_build_json, "build")
     baseline = base_doc["variant"]
     try:
@@ -460,12 +462,13 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
             v, b = result[ident["variant"]], result[baseline]
             graphs[g] = {"variant_ms": v, "baseline_ms": b, **qt.speedup(b["samples_ms"], v["samples_ms"]), "fp8": fp8}
         probe = _probe(family, variant_doc, checkpoint_json, st, runners[ident["variant"]])
-        write_json(out, "timing", {"status": "ok", **ident, "baseline": baseline, "batch": st.batch,
+        write_json(out, "timing", {"status": "ok", **ident, "repeat": repeat, "baseline": baseline, "batch": st.batch,
                                    "shape": dict(st.shape), "graphs": graphs, "engine_sha256": _engine_digests(variant_doc),
                                    "probe": probe,
                                    "provenance": provenance("time", inputs, params, started)})
     except Exception:
-        _failure("timing", out, ident, traceback.format_exc(), "time", inputs, params, started, baseline=baseline)
+        _failure("timing", out, ident, traceback.format_exc(), "time", inputs, params, started, baseline=baseline,
+                 repeat=repeat)
 
 
 def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,

@@ -98,7 +98,12 @@ def device_lock(device: Any, shared: bool = False):
     would disturb one (a runner's compile, warm-up and graph capture) holds it `shared`, so such
     work runs in parallel, but never during a measurement. A measurement waiting for its turn
     closes a gate that new shared holders must pass, so that it is not starved. CPU work stays
-    parallel."""
+    parallel.
+
+    Two measurement jobs of one Snakemake run never get here at once: they hold the run's one
+    `speed_measurement` slot (rules/common.smk). This lock guards what that resource cannot: other
+    jobs' GPU work (build, evaluate) during a measurement, which Snakemake runs beside it, and
+    measurements of two Snakemake runs (or a test) started separately on one GPU."""
     import torch
 
     device = torch.device(device)

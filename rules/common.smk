@@ -18,6 +18,21 @@ wildcard_constraints:
     target=r"[A-Za-z0-9_.-]+",
     variant=r"[A-Za-z0-9_.+-]+",
     samples=r"[a-z0-9_]+",
+    # A timing job's repeat: "" for the first (timing.json), "-r2", "-r3" ... for the others.
+    repeat=r"(?:-r(?:[2-9]|[1-9][0-9]+))?",
+
+
+# Jobs that measure speed hold the machine's one `speed_measurement` slot, so that two never run at
+# once on one device. Snakemake limits a resource only where the run gives a limit (`--resources`);
+# this gives 1 where the command line gives none (a `--resources` flag, also in a profile, replaces the
+# whole list a workflow profile would give, and would drop the limit with it). "local": on a cluster each
+# job has its own GPU (Slurm), so the limit holds within one submitted job, not across the cluster.
+resource_scopes:
+    speed_measurement="local",
+
+
+if "speed_measurement" not in workflow.global_resources:
+    workflow.register_resource("speed_measurement", 1)
 
 
 VARIANT_KEY = "{study}/{target}/{model}/{setting}/{variant}"
@@ -146,15 +161,32 @@ def study_targets(s):
     return [t for t in RUN.targets if not s.targets or t in s.targets]
 
 
+def timing_json(repeat):
+    """A variant's timing file of one repeat (1, 2, ...): the first keeps the name a run without repeats has."""
+    return "timing.json" if repeat == 1 else f"timing-r{repeat}.json"
+
+
+def repeat_index(w):
+    return int(w.repeat.removeprefix("-r")) if w.repeat else 1
+
+
+def build_measures_speed(w):
+    """A TensorRT build times candidate kernels (tactics) on the GPU to choose them, so it holds the
+    `speed_measurement` slot like a timing; the other backends' builds measure nothing."""
+    return int(RUN.targets[w.target].backend == "tensorrt")
+
+
 def engine_files(s, name):
     """Every per-variant artifact `name` of a study: each engine it measures (builds and their
-    measurements records: each engine it builds; timings and kernels: not those of models with `timing: false`), on each of its targets."""
+    measurements records: each engine it builds; timings and kernels: not those of models with
+    `timing: false`), on each of its targets; timings: each of the study's repeats."""
     if name in ("build.json", "measurements.json"):
         engines = s.builds(RUN.targets)
     else:
         engines = s.engines(RUN.targets, quality_only=name == "quality.json",
                             timed_only=name in ("timing.json", "kernels.json"))
-    return [f"results/{s.name}/{t}/{m}/{st}/{v}/{name}" for t, m, st, v in engines]
+    names = [timing_json(r) for r in range(1, s.repeats + 1)] if name == "timing.json" else [name]
+    return [f"results/{s.name}/{t}/{m}/{st}/{v}/{n}" for t, m, st, v in engines for n in names]
 
 
 def final_targets():

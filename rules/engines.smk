@@ -45,30 +45,38 @@ rule build:
         f"logs/{VARIANT_KEY}/build.log",
     benchmark:
         f"benchmarks/{VARIANT_KEY}/build.tsv"
+    resources:
+        speed_measurement=build_measures_speed,
     conda:
         target_env
     script:
         "../scripts/build.py"
 
 
+# One job per repeat (timing.json, timing-r2.json, ...: `timing.repeats`); each times the variant
+# beside its baseline, on its own, so that x's spread across jobs is measured.
 rule time:
     input:
         checkpoint=checkpoint_json,
         build=variant_build,
         baseline_build=baseline_build,
     output:
-        timing=f"{VARIANT_DIR}/timing.json",
+        timing=f"{VARIANT_DIR}/timing{{repeat}}.json",
     params:
         ident=variant_ident,
         family=lambda w: study(w).family,
         target=target_params,
         setting=setting_params,
         recipe=lambda w: study(w).recipe,
-        timing=lambda w: study(w).raw["timing"],
+        # not `repeats`: asking for more repeats adds jobs and keeps those already run
+        timing=lambda w: {k: study(w).raw["timing"][k] for k in ("warmup", "rounds", "calls_per_round")},
+        repeat=repeat_index,
     log:
-        f"logs/{VARIANT_KEY}/time.log",
+        f"logs/{VARIANT_KEY}/time{{repeat}}.log",
     benchmark:
-        f"benchmarks/{VARIANT_KEY}/time.tsv"
+        f"benchmarks/{VARIANT_KEY}/time{{repeat}}.tsv"
+    resources:
+        speed_measurement=1,
     conda:
         target_env
     script:
@@ -92,6 +100,8 @@ rule profile:
         f"logs/{VARIANT_KEY}/profile.log",
     benchmark:
         f"benchmarks/{VARIANT_KEY}/profile.tsv"
+    resources:
+        speed_measurement=1,
     conda:
         target_env
     script:

@@ -497,3 +497,76 @@ def test_a_sample_list_tampered_then_rerun_is_refused_and_the_audit_names_it(wor
     assert proc.returncode == 1
     assert ("results/fnet/cpu-torch/fnet-base/w512/fp8/quality.json: input heldout (results/fnet/data/heldout.json) "
             "changed since the job that read it recorded its sha256") in proc.stdout
+
+
+def _job_intervals(repo: Path) -> list[tuple[str, str, object, object]]:
+    """(rule, artifact, started, finished) of every job that wrote a JSON of the fnet study, from its provenance."""
+    from datetime import datetime
+
+    jobs = []
+    for path in sorted((repo / "results/fnet").rglob("*.json")):
+        prov = json.loads(path.read_text()).get("provenance") if path.name != "tables.json" else None
+        if prov and prov.get("rule") not in (None, "aggregate", "audit"):
+            jobs.append((prov["rule"], str(path.relative_to(repo)), datetime.fromisoformat(prov["started"]),
+                         datetime.fromisoformat(prov["finished"])))
+    return jobs
+
+
+def test_measurement_jobs_never_overlap_while_other_jobs_run_in_parallel(workflow_copy):
+    """`speed_measurement`: time and profile jobs hold the one slot the Snakefile declares, with no
+    --resources on the command line, so no two of them ran at once; other jobs did (--cores 2)."""
+    import itertools
+
+    jobs = _job_intervals(workflow_copy)
+    measuring = sorted((j for j in jobs if j[0] in ("time", "profile")), key=lambda j: j[2])
+    assert len(measuring) == 14  # 7 variant x target pairs (.test/fnet.yaml), each timed and profiled
+    for a, b in zip(measuring, measuring[1:]):
+        assert a[3] <= b[2], f"{a[1]} ({a[2]} to {a[3]}) overlaps {b[1]} ({b[2]} to {b[3]})"
+    overlapping = [(a[1], b[1]) for a, b in itertools.combinations(jobs, 2) if a[2] < b[3] and b[2] < a[3]]
+    assert overlapping, "no two jobs ran at once: the run shows nothing about the slot"
+
+
+def test_repeats_time_each_variant_in_separate_jobs_and_render_their_spread(workflow_copy, tmp_path):
+    """`--config timing_repeats=2` over the run above: one more timing job per timed variant (the
+    first ones are kept), each its own job; tables.json and the README show x across the two."""
+    import shutil
+    import statistics
+
+    from quantstudy import render
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    args = ("--configfile", ".test/config.yaml", "--config", "timing_repeats=2")
+    proc = snakemake(repo, "-n", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = planned_jobs(proc.stdout + proc.stderr)
+    timed = sorted((w["target"], w["variant"]) for rule, w in jobs if rule == "time")
+    assert len(timed) == 7 and {w["repeat"] for rule, w in jobs if rule == "time"} == {"-r2"}
+    assert sorted(rule for rule, _ in jobs if rule != "time") == ["aggregate", "all", "audit", "plot", "render"]
+    proc = snakemake(repo, *args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    tables = json.loads((repo / "results/fnet/tables.json").read_text())
+    assert tables["spec"]["timing"]["repeats"] == 2
+    measuring = sorted((j for j in _job_intervals(repo) if j[0] == "time"), key=lambda j: j[2])
+    assert len(measuring) == 14
+    assert all(a[3] <= b[2] for a, b in zip(measuring, measuring[1:]))
+    ok_rows = [r for r in tables["speed"] if r["status"] == "ok"]
+    assert len(ok_rows) == 6 and [r["source"] for r in tables["speed"] if r["status"] != "ok"] == [
+        f"results/fnet/cpu-torch/fnet-base/w512/fp8-broken/{name}" for name in ("timing.json", "timing-r2.json")]
+    for row in ok_rows:
+        docs = [json.loads((repo / s).read_text()) for s in row["timing_sources"]]
+        assert [d["repeat"] for d in docs] == [d["provenance"]["params"]["repeat"] for d in docs] == [1, 2]
+        assert docs[0]["provenance"]["started"] != docs[1]["provenance"]["started"]
+        xs = [d["graphs"]["main"]["x"] for d in docs]
+        assert row["repeats"] == 2 and row["x_by_repeat"] == xs and row["x"] == statistics.median(xs)
+        assert row["x_jobs_spread"] == (max(xs) - min(xs)) / statistics.median(xs)
+
+    readme = (repo / "results/fnet/README.md").read_text()
+    fp8 = [r for r in ok_rows if r["variant"] == "fp8"]
+    spread = render.value_range(r["x_jobs_spread"] for r in fp8)
+    assert f"Across timing jobs, fp8's x moved by {render.span(spread, render.pct)}" in readme
+    assert "not measured in this run" not in readme
+    for r in fp8:
+        assert f"| {render.times(r['x_jobs_min'])} to {render.times(r['x_jobs_max'])} ({render.pct(r['x_jobs_spread'])}) |" in readme
+    assert json.loads((repo / "results/fnet/audit.json").read_text())["ok"]

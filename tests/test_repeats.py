@@ -1,0 +1,127 @@
+"""Timing repeats: a variant timed in N separate jobs, x across them in tables.json and the README.
+
+The config option and its errors, the aggregate of a small case worked out by hand, and the
+rendering with and without a measured spread across jobs (on a committed evidence run's tables).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+
+import pytest
+import yaml
+
+from quantstudy import aggregate, artifacts, config as qc, render
+
+from conftest import ROOT, TEST_CONFIG
+
+EVIDENCE = ROOT / "results/h200-torch-issue9/results/deberta_v2/tables.json"
+
+
+def _study_doc() -> dict:
+    return qc.deep_merge(yaml.safe_load((ROOT / "config/studies/fnet.yaml").read_text()),
+                         yaml.safe_load((ROOT / "config/tiny/fnet.yaml").read_text()))
+
+
+@pytest.mark.parametrize("repeats", [0, -2, "two", 2.5, True])
+def test_study_repeats_must_be_a_whole_number_of_jobs(tmp_path, repeats):
+    doc = _study_doc()
+    doc["timing"]["repeats"] = repeats
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(qc.ConfigError, match=r"timing\.repeats: .* is not a number of timing jobs: repeats is how "
+                                             r"many separate timing jobs each timed variant gets"):
+        qc.load_study(tmp_path / "study.yaml", against_code=False)
+
+
+def test_the_run_sets_repeats_for_every_study_and_one_job_is_the_default():
+    run_doc = yaml.safe_load(TEST_CONFIG.read_text())
+    assert qc.load_run(run_doc, against_code=False).studies["fnet"].repeats == 1
+    run = qc.load_run({**run_doc, "timing_repeats": 3}, against_code=False)
+    assert run.studies["fnet"].repeats == 3 and run.studies["fnet"].raw["timing"]["repeats"] == 3
+    for bad in (0, "2"):  # `--config timing_repeats=0`; a string is what a quoted YAML value gives
+        with pytest.raises(qc.ConfigError, match=r"workflow config: timing_repeats: .* is not a number of timing jobs"):
+            qc.load_run({**run_doc, "timing_repeats": bad}, against_code=False)
+
+
+def _job(repeat: int, x: float, variant_ms: float, baseline_ms: float, x_min: float, x_max: float,
+         status: str = "ok") -> dict:
+    path = "results/s/cpu-torch/m/w8/fp8/" + ("timing.json" if repeat == 1 else f"timing-r{repeat}.json")
+    ident = {"target": "cpu-torch", "model": "m", "setting": "w8", "variant": "fp8", "status": status, "source": path}
+    if status != "ok":
+        return ident | {"error": "RuntimeError: out of memory"}
+    return ident | {"graph": "main", "repeat": repeat, "baseline": "fp16", "variant_ms": variant_ms,
+                    "variant_spread": 0.01, "baseline_ms": baseline_ms, "x": x, "x_min": x_min, "x_max": x_max}
+
+
+def test_across_repeats_by_hand():
+    """Three jobs of one variant, in the order the files come: x 1.05, 1.00, 1.02 (repeats 3, 1, 2)."""
+    jobs = [_job(3, 1.05, 0.95, 1.00, 1.01, 1.09), _job(1, 1.00, 1.00, 1.00, 0.97, 1.03),
+            _job(2, 1.02, 0.98, 1.00, 0.99, 1.04)]
+    [row] = aggregate.across_repeats(jobs)
+    assert row["repeats"] == 3 and "repeat" not in row
+    assert row["x_by_repeat"] == [1.00, 1.02, 1.05]  # in repeat order
+    assert row["x"] == 1.02  # the median job's x
+    assert row["variant_ms"] == 0.98 and row["baseline_ms"] == 1.00  # medians of the jobs' medians
+    assert (row["x_min"], row["x_max"]) == (0.97, 1.09)  # the widest round range
+    assert (row["x_jobs_min"], row["x_jobs_max"]) == (1.00, 1.05)
+    assert row["x_jobs_spread"] == pytest.approx(0.05 / 1.02)
+    assert row["source"].endswith("/timing.json") and len(row["timing_sources"]) == 3
+    # Two jobs: the median is their mean.
+    [two] = aggregate.across_repeats(jobs[1:])
+    assert two["x"] == pytest.approx(1.01) and two["x_jobs_spread"] == pytest.approx(0.02 / 1.01)
+
+
+def test_one_job_measures_no_spread_and_a_failed_job_is_the_row():
+    [one] = aggregate.across_repeats([_job(1, 1.00, 1.0, 1.0, 0.9, 1.1)])
+    assert one["repeats"] == 1 and one["x"] == 1.00
+    assert one["x_jobs_min"] is one["x_jobs_max"] is one["x_jobs_spread"] is None
+    rows = aggregate.across_repeats([_job(1, 1.00, 1.0, 1.0, 0.9, 1.1), _job(2, 0, 0, 0, 0, 0, status="failed")])
+    assert [(r["status"], r["source"]) for r in rows] == [("failed", "results/s/cpu-torch/m/w8/fp8/timing-r2.json")]
+
+
+def _with_repeats(tables: dict, factors: dict[tuple, float]) -> dict:
+    """The evidence run's speed rows as if each variant had a second timing job whose x is the
+    first's times `factors[(model, setting)]` (1.0 where not given), through aggregate."""
+    t = copy.deepcopy(tables)
+    jobs = []
+    for row in t["speed"]:
+        first = {**row, "repeat": 1}
+        second = {**row, "repeat": 2, "source": row["source"].replace("timing.json", "timing-r2.json")}
+        if row["status"] == "ok":
+            second["x"] = row["x"] * factors.get((row["model"], row["setting"]), 1.0)
+        jobs += [first, second]
+    t["speed"] = aggregate.across_repeats(jobs)
+    t["spec"]["timing"]["repeats"] = 2
+    return t
+
+
+def test_render_shows_the_spread_across_jobs_only_where_it_was_measured():
+    tables = artifacts.read_json(EVIDENCE, "tables")
+    cand = tables["spec"]["candidate"]
+    one_job = render.render_section(tables)
+    assert "The spread of x across timing jobs was not measured in this run: each variant was timed in one job" in one_job
+    assert "x across jobs" not in one_job and "noise" not in one_job
+
+    # x 1.06 / 1.03 / 1.00 / 1.01 in the evidence; w512's second job at 1.02x its first, w128's at 1.001x.
+    t = _with_repeats(tables, {("deberta-v3-base", "w512"): 1.02, ("deberta-v3-base", "w128"): 1.001})
+    section = render.render_section(t)
+    assert "not measured in this run" not in section
+    assert "| x (round range) | x across jobs (spread) | other variants (ms, x) |" in section
+    rows = [r for r in t["speed"] if r["variant"] == cand]
+    spread = render.value_range(r["x_jobs_spread"] for r in rows)
+    assert f"Across timing jobs, {cand}'s x moved by {render.span(spread, render.pct)} ((max - min) / median" in section
+    for r in rows:
+        cell = f"| {render.times(r['x_jobs_min'])} to {render.times(r['x_jobs_max'])} ({render.pct(r['x_jobs_spread'])}) |"
+        assert cell in section
+    # Within noise: |x - 1| <= the range of x across jobs, which only w512 (x about 1.01, range 0.02) meets.
+    noisy = [r for r in rows if abs(r["x"] - 1) <= r["x_jobs_max"] - r["x_jobs_min"]]
+    assert [r["setting"] for r in noisy] == ["w512"]
+    w512 = noisy[0]
+    assert (f"these jobs do not tell {cand}\nfrom its baseline: deberta-v3-base, 512 on `h200-torch`, x "
+            f"{render.times(w512['x'])} ({render.times(w512['x_jobs_min'])} to {render.times(w512['x_jobs_max'])}).") in section
+    assert statistics.median(w512["x_by_repeat"]) == w512["x"]
+
+    # No row within its noise: the sentence says so instead.
+    apart = render.render_section(_with_repeats(tables, {("deberta-v3-base", "w512"): 1.0}))
+    assert "Within that noise" not in apart and "On every row x differs from 1 by more than its range across jobs." in apart

@@ -20,7 +20,9 @@ wildcard_constraints:
     samples=r"[a-z0-9_]+",
 
 
-VARIANT_KEY = "{study}/{target}/{model}/{setting}/{variant}"
+SETTING_KEY = "{study}/{target}/{model}/{setting}"
+SETTING_DIR = f"results/{SETTING_KEY}"
+VARIANT_KEY = f"{SETTING_KEY}/{{variant}}"
 VARIANT_DIR = f"results/{VARIANT_KEY}"
 EXPORT_DIR = "results/{study}/{model}/{setting}/onnx/{variant}"
 
@@ -140,6 +142,24 @@ def engine_files(s, name):
         engines = s.engines(RUN.targets, quality_only=name == "quality.json",
                             timed_only=name in ("timing.json", "kernels.json"))
     return [f"results/{s.name}/{t}/{m}/{st}/{v}/{name}" for t, m, st, v in engines]
+
+
+def fp8_variants_timed(s, target, model, setting):
+    """The variants with FP8 layers that a target times at a model and setting."""
+    return [v for t, m, st, v in s.engines(RUN.targets, timed_only=True)
+            if (t, m, st) == (target, model, setting) and s.variants[v].has_fp8(s.setting(st))]
+
+
+def fp8_variant_specs(w):
+    """{variant: spec} of those variants: what the gemm job times the GEMMs of."""
+    s = study(w)
+    return {v: s.variants[v].spec(s.setting(w.setting)) for v in fp8_variants_timed(s, w.target, w.model, w.setting)}
+
+
+def gemm_files(s):
+    """gemm.json of every target, model and setting where the study times an FP8 variant."""
+    keys = dict.fromkeys((t, m, st) for t, m, st, _ in s.engines(RUN.targets, timed_only=True))
+    return [f"results/{s.name}/{t}/{m}/{st}/gemm.json" for t, m, st in keys if fp8_variants_timed(s, t, m, st)]
 
 
 def final_targets():

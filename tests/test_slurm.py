@@ -36,7 +36,7 @@ START = ROOT / "scripts/slurm/start_test_cluster.sh"
 STOP = ROOT / "scripts/slurm/stop_test_cluster.sh"
 PARTITION, GPU_MODEL = "test", "testgpu"  # the test cluster's names for b200's
 STATE = Path(os.environ.get("QS_SLURM_STATE", "/var/tmp/quantstudy-slurm"))
-MEASURED = {"timing.json", "kernels.json"}  # measured per run: compared by structure only
+MEASURED = {"timing.json", "kernels.json", "gemm.json"}  # measured per run: compared by structure only
 CONFIG = os.environ.get("QS_SLURM_TEST_CONFIG", "slurm-test-run.yaml")  # default: written by embedded_fnet()
 
 
@@ -200,7 +200,7 @@ def test_profiles_request_gpus_the_plugin_way():
     for name, model in [("slurm-b200", "b200"), ("slurm-b300", "b300")]:
         profile = load_profile(name)
         assert profile["executor"] == "slurm"
-        assert gpu_rules(profile) == {"reference", "calibrate", "build", "time", "profile", "evaluate"}
+        assert gpu_rules(profile) == {"reference", "calibrate", "build", "time", "profile", "gemm", "evaluate"}
         for rule, res in profile["set-resources"].items():
             assert "slurm_extra" not in res  # the plugin refuses GPU flags there
             assert res.get("gpu_model", model) == model

@@ -136,7 +136,9 @@ def _bound(row: dict[str, Any], gemms: dict[tuple, tuple[str, dict | None]], ker
         return out | {"bound_note": f"GEMM timing failed: {_last_line(gemm_doc)}"}
     graphs = gemm_doc["graphs"]
     graph = row.get("graph") if row.get("graph") in graphs else (next(iter(graphs)) if len(graphs) == 1 else None)
-    if graph is None or row["variant"] not in graphs[graph]["variants"]:
+    if graph is None:
+        return out | {"bound_note": "no graph was timed"}
+    if row["variant"] not in graphs[graph]["variants"]:
         return out | {"bound_note": "no FP8 layer"}
     measured = graphs[graph]["variants"][row["variant"]]
     if measured["status"] != "ok":

@@ -151,3 +151,29 @@ def test_the_bound_is_rendered_next_to_x_with_its_marker_and_reason():
     failed = ROW | {"status": "ok"} | aggregate._bound(
         ROW, gemms, {("cpu-torch", "m", "w128", "fp16"): ("kernels.json", _kernels_doc("failed"))}, "fp16", 0.9)
     assert str(macros.bound_cell(failed)) == "profile of the baseline fp16 failed: RuntimeError: profiler crashed"
+
+
+@pytest.mark.parametrize("name", ["torch", "onnxruntime", "torch-cuda", "tensorrt"])
+def test_gemm_timing_runs_what_each_backends_fp8_engine_runs(name, one_cpu_thread):
+    """g is of the GEMM the backend's FP8 engine runs: torch._scaled_mm on a GPU with FP8, a TensorRT
+    FP8 tactic; emulated (dequantize, then a wider GEMM) on the CPU backends, where g < 1 is the answer.
+    Two shapes, one with two calls: each timed as a stack of its calls, per-GEMM time = stack / copies."""
+    from conftest import backend_or_skip, target_for
+
+    from quantstudy import gemm
+
+    backend_or_skip(name)
+    calls = [{"layer": f"l{i}", "input_shape": [1, 32, 64], "dims": [32, 64, 128], "bias": True,
+              "dequantize_dtype": "float16"} for i in (0, 1)]
+    calls.append({"layer": "l2", "input_shape": [1, 32, 128], "dims": [32, 128, 64], "bias": False,
+                  "dequantize_dtype": "float16"})
+    shapes = gemm.time_calls({"fp8": calls}, {"fp8": "float16"}, target_for(name),
+                             {"warmup": 2, "rounds": 3, "calls_per_round": 2})
+    assert sorted((s["dims"], s["copies"]) for s in shapes.values()) == [([32, 64, 128], 2), ([32, 128, 64], 1)]
+    for s in shapes.values():
+        assert s["fp16_gemm_ms"] == pytest.approx(s["fp16_ms"]["median_ms"] / s["copies"]) and s["g"] > 0
+        assert s["emulated"] == (name in ("torch", "onnxruntime")), s["fp8_ran"]
+        if name == "torch-cuda":
+            assert s["fp8_gemm"] == "torch._scaled_mm"
+        if name == "onnxruntime":
+            assert {"onnxruntime::QuantizeLinear", "onnxruntime::DequantizeLinear"} <= {r["name"] for r in s["fp8_ran"]}

@@ -133,7 +133,8 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "tiny": t["run"]["weights"] != "checkpoint", "speed_rows": speed_rows, "quality": q,
         "quality_variants": [v for v in spec["variants"] if v != "fp32"],
         "x_batch1": value_range(b1), "x_batched": value_range(bn), "bound_batch1": value_range(bound1),
-        "bound": t.get("bound") or {"at_limit": None, "f_bases": {}},
+        # Tables of a run before the gemm rule (committed evidence) have no bound: their tables keep their columns.
+        "has_bound": "bound" in t, "bound": t.get("bound") or {"at_limit": None, "f_bases": {}},
         "baselines": sorted({r["variant"] for r in t["speed"] if r["variant"] in set(baselines.values())}),
         "baseline_of": baselines.__getitem__, "column_range": column_range, "ratio_range": ratio_range,
         "candidate_nonfinite": sum(r.get("nonfinite") or 0 for r in rows_of("candidate")),

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 
 import pandas as pd
 
+from quantstudy import bound
 from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, sha256_file, write_json
 from quantstudy.config import PUBLISHED_KEYS, UNIT_SCALE, calibration_sample_sets, load_published, shape_of
 from quantstudy.render import value_range
@@ -190,6 +191,67 @@ def sample_lists(docs: list[tuple[str, dict[str, Any]]], study: dict[str, Any]) 
     return rows
 
 
+BOUND_COLUMNS = ("f", "g", "bound", "x_of_bound", "at_limit", "f_kind", "f_basis", "fp8_emulated", "bound_note",
+                 "f_source", "g_source")
+
+
+def _last_line(doc: dict[str, Any]) -> str:
+    return _error(doc) or "no error text"
+
+
+def _bound(row: dict[str, Any], gemms: dict[tuple, tuple[str, dict | None]], kernels: dict[tuple, tuple[str, dict]],
+           baseline: str, threshold: float) -> dict[str, Any]:
+    """The Amdahl bound of one speed row (bound.py): f from its baseline's kernels.json, g from the
+    gemm.json of its target, model and setting; where either is missing or failed, `bound_note` says why."""
+    out: dict[str, Any] = dict.fromkeys(BOUND_COLUMNS)
+    key = (row["target"], row["model"], row["setting"])
+    if key not in gemms:
+        return out | {"bound_note": "no FP8 layer"}
+    gemm_path, gemm_doc = gemms[key]
+    out["g_source"] = gemm_path
+    if gemm_doc is None:
+        return out | {"bound_note": f"{gemm_path} could not be read"}
+    if gemm_doc["status"] != "ok":
+        if row["variant"] not in gemm_doc["provenance"]["params"].get("specs", {}):
+            return out | {"bound_note": "no FP8 layer"}
+        return out | {"bound_note": f"GEMM timing failed: {_last_line(gemm_doc)}"}
+    graphs = gemm_doc["graphs"]
+    graph = row.get("graph") if row.get("graph") in graphs else (next(iter(graphs)) if len(graphs) == 1 else None)
+    if graph is None:
+        return out | {"bound_note": "no graph was timed"}
+    if row["variant"] not in graphs[graph]["variants"]:
+        return out | {"bound_note": "no FP8 layer"}
+    measured = graphs[graph]["variants"][row["variant"]]
+    if measured["status"] != "ok":
+        return out | {"bound_note": f"GEMM timing failed: {_last_line(measured)}"}
+    if not measured["calls"]:
+        return out | {"f": 0.0, "bound": 1.0, "f_kind": "exact", "bound_note": "no FP8 GEMM runs in this graph"}
+    out.update(g=measured["g"], fp8_emulated=measured["emulated"])
+    kernel_path, kernel_doc = kernels.get(key + (baseline,), (None, None))
+    if kernel_doc is None:
+        return out | {"bound_note": f"no readable profile of the baseline {baseline}"}
+    out["f_source"] = kernel_path
+    if kernel_doc["status"] != "ok":
+        return out | {"bound_note": f"profile of the baseline {baseline} failed: {_last_line(kernel_doc)}"}
+    if graph not in kernel_doc["graphs"]:
+        return out | {"bound_note": f"the baseline's profile has no graph {graph}"}
+    try:
+        share = bound.recipe_share(kernel_doc["graphs"][graph], measured["calls"])
+    except ValueError as e:
+        return out | {"bound_note": f"f not computed: {e}"}
+    out.update(f=share["f"], f_kind=share["kind"], f_basis=share["basis"], bound=bound.amdahl_bound(share["f"], out["g"]))
+    x = row.get("x")
+    if not _missing(x):
+        out.update(x_of_bound=x / out["bound"], at_limit=bound.at_limit(x, out["bound"], threshold))
+    return out
+
+
+def _with_bounds(speed: pd.DataFrame, gemms: dict, kernels: dict, baselines: dict[str, str],
+                 threshold: float) -> pd.DataFrame:
+    bounds = [_bound(r, gemms, kernels, baselines[r["setting"]], threshold) for r in _records(speed)]
+    return pd.concat([speed, pd.DataFrame(bounds, index=speed.index, columns=list(BOUND_COLUMNS))], axis=1)
+
+
 COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq}
 REDUCE = {"min": min, "max": max, "sum": sum, "mean": lambda v: sum(v) / len(v)}
 
@@ -314,7 +376,8 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
     builds = _rows(inputs["builds"], "build", _build, damaged)
     kernels = _rows(inputs["kernels"], "kernels", _kernels, damaged)
     records = _rows(inputs["records"], "measurements", _record, damaged)
-    kernel_docs = [doc for _, doc in _readable(inputs["kernels"], "kernels", [])]
+    kernel_files = _readable(inputs["kernels"], "kernels", [])
+    kernel_docs = [doc for _, doc in kernel_files]
     settings = {name: shape_of(s) for name, s in study["settings"].items()}
     references = [{"model": r["model"], "setting": r["setting"], **settings[r["setting"]], **flatten(r["blocks"]),
                    "source": p} for p, r in _readable(inputs["references"], "reference", damaged)]
@@ -331,6 +394,19 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
     by_ref = {(r["model"], r["setting"]): r for r in references}
     for col in sorted({k for r in references for k in r if "." in k}):
         quality[f"reference.{col}"] = [by_ref.get((m, s), {}).get(col) for m, s in zip(quality.model, quality.setting)]
+    # The Amdahl bound beside every x: g from gemm.json, f from the baseline's kernels.json.
+    gemms: dict[tuple, tuple[str, dict | None]] = {}
+    for path in inputs.get("gemms", []):
+        try:
+            doc = read_json(path, "gemm")
+            gemms[(doc["target"], doc["model"], doc["setting"])] = (path, doc)
+        except DamagedArtifact as e:
+            _note_damaged(e, "gemm", damaged)
+            gemms[tuple(Path(path).parts[-4:-1])] = (path, None)
+    threshold = (study.get("bound") or {}).get("at_limit", bound.AT_LIMIT)
+    if len(speed):
+        speed = _with_bounds(speed, gemms, {(d["target"], d["model"], d["setting"], d["variant"]): (p, d)
+                                            for p, d in kernel_files}, baselines, threshold)
     log.info("%d timing, %d quality, %d build, %d kernel rows", len(speed), len(quality), len(builds), len(kernels))
     calibration = [{"model": a["model"], "setting": a["setting"], **a["shape"], "layers": len(a["recipe_layers"]),
                     "largest_ratio": a["outliers"]["largest_ratio"], "outliers": a["outliers"]["layers"],
@@ -344,6 +420,9 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
         "study": study["study"], "title": study["title"], "family": study["family"],
         "description": study.get("description", ""), "run": run, "targets": targets, "baselines": baselines,
         "kernel_groups": next((d["groups"] for d in kernel_docs if d["status"] == "ok"), []),
+        "bound": {"at_limit": threshold, "definition": bound.DEFINITION,
+                  "f_bases": {t: sorted({r["f_basis"] for r in _records(speed) if r.get("target") == t and r.get("f_basis")})
+                              for t in targets}},
         "spec": {k: study[k] for k in ("models", "settings", "datasets", "samples", "evaluation_samples", "recipe",
                                        "variants", "baseline", "candidate", "timing", "metrics", "decision")},
         "checkpoints": [{k: c[k] for k in ("repo", "revision", "weights", "source")} for c in checkpoints],

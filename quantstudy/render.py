@@ -117,6 +117,7 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
     repeats = spec["timing"].get("repeats", 1)
     across_jobs = [r for r in speed_rows if r["candidate"].get("status") == "ok"
                    and r["candidate"].get("x_jobs_spread") is not None]
+    bound1 = [r["candidate"].get("bound") for r in speed_rows if r["batch"] == 1]
     bn = [r["candidate"].get("x") for r in speed_rows if r["batch"] > 1]
 
     q = defaultdict(dict)
@@ -158,7 +159,9 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "t": t, "spec": spec, "candidate": cand, "run": t["run"], "settings": settings,
         "tiny": t["run"]["weights"] != "checkpoint", "speed_rows": speed_rows, "quality": q,
         "quality_variants": [v for v in spec["variants"] if v != "fp32"],
-        "x_batch1": value_range(b1), "x_batched": value_range(bn),
+        "x_batch1": value_range(b1), "x_batched": value_range(bn), "bound_batch1": value_range(bound1),
+        # Tables of a run before the gemm rule (committed evidence) have no bound: their tables keep their columns.
+        "has_bound": "bound" in t, "bound": t.get("bound") or {"at_limit": None, "f_bases": {}},
         "baselines": sorted({r["variant"] for r in t["speed"] if r["variant"] in set(baselines.values())}),
         "baseline_of": baselines.__getitem__, "column_range": column_range, "ratio_range": ratio_range,
         "candidate_nonfinite": sum(r.get("nonfinite") or 0 for r in rows_of("candidate")),

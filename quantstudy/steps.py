@@ -487,14 +487,59 @@ def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting:
         graphs = {}
         for g, runner in runners.items():
             with qt.device_lock(target["device"]):
-                if hasattr(runner, "kernel_profile"):  # the backend's own profiler (ONNX Runtime, TensorRT)
-                    graphs[g] = runner.kernel_profile(calls, classify, quantization.FP8_REGION)
-                else:
-                    graphs[g] = qt.kernel_profile(runner, calls, classify, regions)
+                graphs[g] = qt.profile_runner(runner, calls, classify, regions)
         write_json(out, "kernels", {"status": "ok", **ident, "groups": fam.kernel_groups, "graphs": graphs,
                                     "provenance": provenance("profile", inputs, params, started)})
     except Exception:
         _failure("kernels", out, ident, traceback.format_exc(), "profile", inputs, params, started)
+
+
+def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any],
+         architecture: dict[str, Any], specs: dict[str, dict[str, Any]], recipe: dict[str, Any],
+         timing: dict[str, int], checkpoint_json: str, amax_json: str, out: str) -> None:
+    """g of the Amdahl bound: each FP8 variant's GEMM calls at this setting (`specs`: variant -> spec),
+    found by running its module on the setting's example inputs, then fp16 against FP8 at each
+    distinct shape on the target's backend (gemm.py), and per variant g = its summed fp16 GEMM time
+    over its summed FP8 GEMM time."""
+    from quantstudy import bound, gemm as qg
+
+    started = now()
+    inputs = {"checkpoint": checkpoint_json, "amax": amax_json}
+    params = {"specs": specs, "recipe": recipe, "target": target, "timing": timing, "setting": setting}
+    try:
+        _deterministic()
+        amax_doc = read_json(amax_json, "amax")
+        fam, st, ckpt = _family(family), _setting(setting), _snapshot(checkpoint_json)
+        graphs = {}
+        for g in fam.graphs(st, architecture):
+            calls, variants = {}, {}
+            for variant, spec in specs.items():
+                try:  # a variant that cannot be made (its build fails the same way) is its own failure
+                    model, _ = _variant_modules(family, ckpt, st, spec, recipe, amax_doc, [g])[g]
+                except Exception:
+                    variants[variant] = {"status": "failed", "error": traceback.format_exc(), "calls": []}
+                    log.error("%s %s: %s", g, variant, variants[variant]["error"].strip().splitlines()[-1])
+                    continue
+                calls[variant] = qg.recipe_calls(model.to(target["device"]), {
+                    k: v.to(target["device"]) for k, v in _example_inputs(family, ckpt, g, st, spec["precision"]).items()})
+                log.info("%s %s: %d FP8 GEMM calls", g, variant, len(calls[variant]))
+            shapes = qg.time_calls(calls, {v: s["precision"] for v, s in specs.items()}, target, timing,
+                                   lambda line: log.info("%s %s", g, line))
+            for variant, cs in calls.items():
+                listed = [{"layer": c["layer"], "dims": c["dims"], "shape": qg.shape_key(c)} for c in cs]
+                if not listed:  # no FP8 layer runs in this graph: nothing for FP8 to change
+                    variants[variant] = {"status": "ok", "calls": [], "fp16_ms": 0.0, "fp8_ms": 0.0, "g": None,
+                                         "emulated": None}
+                    continue
+                variants[variant] = {"status": "ok", "calls": listed, **bound.gemm_speedup(shapes, listed),
+                                     "emulated": any(shapes[c["shape"]]["emulated"] for c in listed)}
+                log.info("%s %s: g = %.3f", g, variant, variants[variant]["g"])
+            graphs[g] = {"shapes": shapes, "variants": variants}
+        write_json(out, "gemm", {"status": "ok", **ident, "backend": target["backend"], "batch": st.batch,
+                                 "shape": dict(st.shape), "graphs": graphs, "definition": qg.DEFINITION,
+                                 "provenance": provenance("gemm", inputs, params, started)})
+    except Exception:
+        _failure("gemm", out, ident, traceback.format_exc(), "gemm", inputs, params, started)
 
 
 def _batched_run(runners: dict[str, Any], batch: int):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import statistics
 import tempfile
 import time
@@ -82,6 +83,23 @@ def gemm_of_activations(op: dict[str, Any] | None) -> bool:
     not a projection (whose weight is rank 2)."""
     shapes = op["shapes"] if op else []
     return len(shapes) >= 2 and all(len(s) >= 3 for s in shapes[:2])
+
+
+def projection_dims(a: list[int], b: list[int]) -> list[int] | None:
+    """[M, K, N] of a GEMM of an activation [..., K] and a rank-2 operand (a weight, [K, N] or [N, K]):
+    a projection. None for any other pair (a GEMM of two activations, a missing shape)."""
+    if len(a) < 2 or len(b) != 2 or a[-1] not in b:
+        return None
+    k = a[-1]
+    return [math.prod(a[:-1]), k, b[1] if b[0] == k else b[0]]
+
+
+def gemm_dims(op: dict[str, Any] | None) -> list[int] | None:
+    """[M, K, N] of a profiled torch GEMM op against a weight (see projection_dims), from its input shapes."""
+    if not op or op["name"] not in GEMM_OPS:
+        return None
+    shapes = op["shapes"][1:] if op["name"] in ("aten::addmm", "aten::baddbmm") else op["shapes"]  # bias first
+    return projection_dims(*shapes[:2]) if len(shapes) >= 2 else None
 
 
 def group_by_name(name: str, patterns: list[tuple[str, str]], default: str = "other") -> str:
@@ -206,10 +224,17 @@ def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], region
     kernels: dict[tuple[str, str], float] = defaultdict(float)
     kernel_counts: dict[tuple[str, str], int] = defaultdict(int)  # over all calls, like counts
     launched_by: dict[str, str] = {}
+    gemms: dict[tuple, list] = {}  # (op name, dims) -> [ms, ids of the op calls]
     for device, name, ms, op in _profiled(runner, calls):
         if name in regions:
             continue
         info = _op_info(op)
+        gemm_op = _outermost_gemm(op)
+        if gemm_op is not None:
+            dims = gemm_dims(_op_info(gemm_op))
+            entry = gemms.setdefault((gemm_op.name, tuple(dims) if dims else None), [0.0, set()])
+            entry[0] += ms
+            entry[1].add(id(gemm_op))
         group = classify(_region(op, regions), name, device, info)
         groups[group] += ms
         # A kernel launch, or a CPU op not called by an op of its own group (aten::linear and the
@@ -226,7 +251,36 @@ def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], region
     return {"groups_ms": dict(groups), "groups_count": {g: n / calls for g, n in counts.items()}, "total_ms": sum(groups.values()),
             "profiled": "forward, kernel by kernel (no graph replay)" if _on_cuda(runner) else "forward",
             "top_kernels": [{"group": g, "name": n, "ms": ms, "count": kernel_counts[(g, n)] / calls,
-                             "op": launched_by.get(n)} for (g, n), ms in top]}
+                             "op": launched_by.get(n)} for (g, n), ms in top],
+            "gemm_names": "op", "gemms": gemm_calls({k: (ms, len(ids)) for k, (ms, ids) in gemms.items()}, calls)}
+
+
+def gemm_calls(gemms: dict[tuple, tuple[float, int]], calls: int) -> list[dict[str, Any]]:
+    """A profile's GEMM calls, what the Amdahl bound's f is read from (bound.recipe_share): per
+    (name, (M, K, N) or None) -> (ms, calls) over `calls` forwards, the ms and calls per forward."""
+    return [{"name": name, "dims": list(dims) if dims else None, "ms": ms / calls, "count": n / calls}
+            for (name, dims), (ms, n) in sorted(gemms.items(), key=lambda kv: -kv[1][0])]
+
+
+def _outermost_gemm(op: Any) -> Any:
+    """The outermost GEMM op (aten::linear, not the addmm it calls) that is or encloses `op`, so that a
+    projection's time is its whole call (bias, transposes) under one name and shape; None outside GEMMs."""
+    found = None
+    while op is not None:
+        if op.name in GEMM_OPS:
+            found = op
+        op = op.cpu_parent
+    return found
+
+
+def profile_runner(runner: Any, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
+    """A runner's kernel profile: the backend's own profiler where it has one (ONNX Runtime,
+    TensorRT), else torch.profiler (kernel_profile)."""
+    from quantstudy.quantization import FP8_REGION
+
+    if hasattr(runner, "kernel_profile"):
+        return runner.kernel_profile(calls, classify, FP8_REGION)
+    return kernel_profile(runner, calls, classify, regions)
 
 
 def fp8_proof(runner: Any, calls: int = 3) -> dict[str, Any]:

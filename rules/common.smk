@@ -35,7 +35,9 @@ if "speed_measurement" not in workflow.global_resources:
     workflow.register_resource("speed_measurement", 1)
 
 
-VARIANT_KEY = "{study}/{target}/{model}/{setting}/{variant}"
+SETTING_KEY = "{study}/{target}/{model}/{setting}"
+SETTING_DIR = f"results/{SETTING_KEY}"
+VARIANT_KEY = f"{SETTING_KEY}/{{variant}}"
 VARIANT_DIR = f"results/{VARIANT_KEY}"
 EXPORT_DIR = "results/{study}/{model}/{setting}/onnx/{variant}"
 
@@ -48,6 +50,11 @@ def setting_params(w):
     """The setting as plain values: a rule's params, so that a changed shape reruns its jobs."""
     s = study(w).setting(w.setting)
     return {"name": s.name, "batch": s.batch, "shape": dict(s.shape), "quality": s.quality}
+
+
+def timing_rounds(w):
+    """How each timing job times (not how many jobs: raising `repeats` adds jobs, it reruns none)."""
+    return {k: study(w).raw["timing"][k] for k in ("warmup", "rounds", "calls_per_round")}
 
 
 def architecture(w):
@@ -187,6 +194,24 @@ def engine_files(s, name):
                             timed_only=name in ("timing.json", "kernels.json"))
     names = [timing_json(r) for r in range(1, s.repeats + 1)] if name == "timing.json" else [name]
     return [f"results/{s.name}/{t}/{m}/{st}/{v}/{n}" for t, m, st, v in engines for n in names]
+
+
+def fp8_variants_timed(s, target, model, setting):
+    """The variants with FP8 layers that a target times at a model and setting."""
+    return [v for t, m, st, v in s.engines(RUN.targets, timed_only=True)
+            if (t, m, st) == (target, model, setting) and s.variants[v].has_fp8(s.setting(st))]
+
+
+def fp8_variant_specs(w):
+    """{variant: spec} of those variants: what the gemm job times the GEMMs of."""
+    s = study(w)
+    return {v: s.variants[v].spec(s.setting(w.setting)) for v in fp8_variants_timed(s, w.target, w.model, w.setting)}
+
+
+def gemm_files(s):
+    """gemm.json of every target, model and setting where the study times an FP8 variant."""
+    keys = dict.fromkeys((t, m, st) for t, m, st, _ in s.engines(RUN.targets, timed_only=True))
+    return [f"results/{s.name}/{t}/{m}/{st}/gemm.json" for t, m, st in keys if fp8_variants_timed(s, t, m, st)]
 
 
 def final_targets():

@@ -1,4 +1,5 @@
-# Per variant and target: export, build the engines, time them beside the baseline's, profile, evaluate.
+# Per variant and target: export, build the engines, time them beside the baseline's, profile, evaluate;
+# per target, model and setting: the FP8 variants' GEMMs alone (g of the Amdahl bound beside x).
 # `snakemake results/<study>/<target>/<model>/<setting>/<variant>/timing.json` reruns one chain.
 
 
@@ -69,7 +70,7 @@ rule time:
         setting=setting_params,
         recipe=lambda w: study(w).recipe,
         # not `repeats`: asking for more repeats adds jobs and keeps those already run
-        timing=lambda w: {k: study(w).raw["timing"][k] for k in ("warmup", "rounds", "calls_per_round")},
+        timing=timing_rounds,
         repeat=repeat_index,
     log:
         f"logs/{VARIANT_KEY}/time{{repeat}}.log",
@@ -106,6 +107,33 @@ rule profile:
         target_env
     script:
         "../scripts/profile.py"
+
+
+rule gemm:
+    input:
+        checkpoint=checkpoint_json,
+        amax=lambda w: amax_json(w.study, w.model, study(w).calibration_setting(w.model, w.setting)),
+    output:
+        gemm=f"{SETTING_DIR}/gemm.json",
+    params:
+        ident=lambda w: {"target": w.target, "model": w.model, "setting": w.setting},
+        family=lambda w: study(w).family,
+        target=target_params,
+        setting=setting_params,
+        architecture=architecture,
+        specs=fp8_variant_specs,
+        recipe=lambda w: study(w).recipe,
+        timing=timing_rounds,
+    resources:
+        speed_measurement=1,
+    log:
+        f"logs/{SETTING_KEY}/gemm.log",
+    benchmark:
+        f"benchmarks/{SETTING_KEY}/gemm.tsv"
+    conda:
+        target_env
+    script:
+        "../scripts/gemm.py"
 
 
 rule evaluate:

@@ -8,6 +8,7 @@ rule aggregate:
         records=lambda w: engine_files(study(w), "measurements.json"),
         timings=lambda w: engine_files(study(w), "timing.json"),
         kernels=lambda w: engine_files(study(w), "kernels.json"),
+        gemms=lambda w: gemm_files(study(w)),
         qualities=lambda w: engine_files(study(w), "quality.json"),
         references=lambda w: [f"results/{w.study}/{m}/{s}/reference.json" for m, s in study(w).model_settings(True)],
         amax=lambda w: [amax_json(w.study, m, s) for m in study(w).models for s in study(w).calibration_settings(m)],

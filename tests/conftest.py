@@ -77,6 +77,18 @@ def skip_without_gpu(reason: str) -> None:
     pytest.skip(reason)
 
 
+@pytest.fixture
+def one_cpu_thread():
+    """One intra-op thread, as the workflow's jobs run on a CPU-only host (steps._deterministic): on a
+    loaded machine with few cores, more threads make a small GEMM's time many times slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _code_checks_outside_the_checkout(tmp_path_factory):
     """The tests' config loads record their passed checks in a temporary folder, not in .snakemake/."""

@@ -502,3 +502,30 @@ def test_nonfinite_rows_are_counted_and_fail_the_head(checkpoints, eval_samples)
     assert result.blocks["features"]["nonfinite_texts"] == held_bad
     assert result.blocks["mnli"]["nonfinite_pairs"] == bad
     assert result.blocks["mnli"]["agreement"] == pytest.approx(1 - bad / ids.shape[0])
+
+
+# --- the recipe's GEMMs alone (g of the Amdahl bound) -----------------------------------------
+
+def test_gemm_calls_are_the_recipe_layers_on_the_hidden_rows(base, one_cpu_thread):
+    """What the gemm rule times: the six projections of each of the 2 tiny layers, each once, on the
+    batch x window hidden rows; the positional calls of query_proj and key_proj, which the recipe
+    keeps in fp16 (`exclude_calls`), are not FP8 GEMMs and are not counted, unless a variant
+    quantizes them too."""
+    from quantstudy import gemm
+
+    calls = {}
+    for name in ("fp8", "fp8-all-calls"):
+        model, _ = _variant(base, name)
+        calls[name] = gemm.recipe_calls(model, quantization.cast_inputs(base["inputs"], "float16"))
+    rows, h, i = SETTING.batch * SETTING["window"], 64, 256
+    dims = {"attention.self.query_proj": [rows, h, h], "attention.self.key_proj": [rows, h, h],
+            "attention.self.value_proj": [rows, h, h], "attention.output.dense": [rows, h, h],
+            "intermediate.dense": [rows, h, i], "output.dense": [rows, i, h]}
+    assert sorted((c["layer"], tuple(c["dims"])) for c in calls["fp8"]) == sorted(
+        (f"deberta.encoder.layer.{n}.{p}", tuple(d)) for n in (0, 1) for p, d in dims.items())
+    extra = collections.Counter(c["layer"].rsplit(".", 1)[-1] for c in calls["fp8-all-calls"]) - collections.Counter(
+        c["layer"].rsplit(".", 1)[-1] for c in calls["fp8"])
+    assert extra == {"query_proj": 2, "key_proj": 2}  # each layer's positional products, now FP8
+    shapes = gemm.time_calls({"fp8": calls["fp8"]}, {"fp8": "float16"}, {"backend": "torch", "device": "cpu"},
+                             {"warmup": 1, "rounds": 2, "calls_per_round": 1})
+    assert sorted((s["dims"][1:], s["copies"]) for s in shapes.values()) == [([h, h], 8), ([h, i], 2), ([i, h], 2)]

@@ -478,3 +478,31 @@ def test_the_studys_sample_sets_are_disjoint_and_fit_the_dataset(overrides, tmp_
     assert {n: s["count"] for n, s in sets.items()} == (
         {"calibration": 24, "heldout": 16, "extra_heldout": 24} if overrides and "tiny" in overrides else
         {"calibration": 500, "heldout": 500, "extra_heldout": 1500})
+
+
+# --- the recipe's GEMMs alone (g of the Amdahl bound) -----------------------------------------
+
+def test_gemm_calls_are_the_recipe_layers_at_the_engines_shapes(fam, tiny, one_cpu_thread):
+    """What the gemm rule times: every FP8 GEMM call of the variant at the setting's example inputs,
+    12 layers at tiny size (2 blocks x 4 + 2 class-attention blocks x k, v), each at its own input
+    shape (196 patch tokens; the class attention's k and v also read the class token: 197), timed
+    at 5 distinct shapes on the CPU torch backend, where FP8 is fake-quant (emulated)."""
+    from quantstudy import bound, gemm
+
+    example = fam.example_inputs(tiny, "main", S224)
+    amax = observed_amax(fam.module(tiny, "main", S224), [example])
+    model, summary = quantization.apply_variant(fam.module(tiny, "main", S224), VARIANTS["fp8"], RECIPE, amax)
+    calls = gemm.recipe_calls(model, quantization.cast_inputs(example, "float16"))
+    c = 64  # tiny embed_dim; mlp ratio 4
+    expected = {**{f"blocks.{b}.{layer}": dims for b in (0, 1) for layer, dims in
+                   (("attn.qkv", [196, c, 3 * c]), ("attn.proj", [196, c, c]), ("mlp.fc1", [196, c, 4 * c]),
+                    ("mlp.fc2", [196, 4 * c, c]))},
+                **{f"cls_attn_blocks.{b}.attn.{p}": [197, c, c] for b in (0, 1) for p in ("k", "v")}}
+    assert {x["layer"]: x["dims"] for x in calls} == expected and len(calls) == len(summary["fp8_layers"]) == 12
+    shapes = gemm.time_calls({"fp8": calls}, {"fp8": "float16"}, {"backend": "torch", "device": "cpu"},
+                             {"warmup": 1, "rounds": 2, "calls_per_round": 1})
+    assert sorted(s["copies"] for s in shapes.values()) == [2, 2, 2, 2, 4]
+    assert all(s["emulated"] and s["fp8_gemm"] is None and s["g"] > 0 for s in shapes.values())
+    listed = [{"layer": x["layer"], "dims": x["dims"], "shape": gemm.shape_key(x)} for x in calls]
+    assert bound.gemm_speedup(shapes, listed)["fp16_ms"] == pytest.approx(
+        sum(s["fp16_gemm_ms"] * s["copies"] for s in shapes.values()))

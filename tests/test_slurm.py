@@ -8,7 +8,7 @@ where that is a failure. Its wall time, one GPU and one CPU sbatch line and the 
 go to logs/test_slurm/summary.md.
 
 The DAG is the embedded default's FNet study (config/config.yaml with its other studies left out,
-161 jobs) on a node of four test GPUs; each GPU job must have had a card of its own. Through Slurm
+JOBS_SLURM jobs) on a node of four test GPUs; each GPU job must have had a card of its own. Through Slurm
 every job is a process of its own that imports torch (8 s a job on 2 cores), so the whole embedded
 default (about 300 jobs) would take CI past its time; the other studies use the same rules.
 QS_SLURM_TEST_CONFIG=config/config.yaml runs all of it, .test/config.yaml the workflow tests'
@@ -36,7 +36,7 @@ START = ROOT / "scripts/slurm/start_test_cluster.sh"
 STOP = ROOT / "scripts/slurm/stop_test_cluster.sh"
 PARTITION, GPU_MODEL = "test", "testgpu"  # the test cluster's names for b200's
 STATE = Path(os.environ.get("QS_SLURM_STATE", "/var/tmp/quantstudy-slurm"))
-MEASURED = {"timing.json", "kernels.json"}  # measured per run: compared by structure only
+MEASURED = {"timing.json", "kernels.json", "gemm.json"}  # measured per run: compared by structure only
 CONFIG = os.environ.get("QS_SLURM_TEST_CONFIG", "slurm-test-run.yaml")  # default: written by embedded_fnet()
 
 
@@ -200,7 +200,7 @@ def test_profiles_request_gpus_the_plugin_way():
     for name, model in [("slurm-b200", "b200"), ("slurm-b300", "b300")]:
         profile = load_profile(name)
         assert profile["executor"] == "slurm"
-        assert gpu_rules(profile) == {"reference", "calibrate", "build", "time", "profile", "evaluate"}
+        assert gpu_rules(profile) == {"reference", "calibrate", "build", "time", "profile", "gemm", "evaluate"}
         for rule, res in profile["set-resources"].items():
             assert "slurm_extra" not in res  # the plugin refuses GPU flags there
             assert res.get("gpu_model", model) == model

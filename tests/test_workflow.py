@@ -127,6 +127,61 @@ def test_the_readme_shows_the_plot_and_the_report_holds_each_studys_results(work
     assert "FP8 quantization studies, from pinned checkpoint" in html  # the front page, report/workflow.rst
 
 
+def test_gemm_rule_times_the_recipe_layers_at_the_models_shapes(workflow_copy):
+    """gemm.json of the tiny FNet (2 layers, hidden 64, intermediate 256) at 512 tokens: each FP8
+    variant's calls are its recipe layers at [M, K, N] = [512, 64, 256] and [512, 256, 64], timed as
+    two shapes of two GEMMs each; the variant that selects no layer is its own recorded failure; on
+    both CPU backends FP8 is emulated (no FP8 GEMM ran), and ONNX Runtime ran the Q/DQ graph."""
+    from quantstudy import bound
+    from quantstudy.artifacts import read_json
+
+    up, down = [512, 64, 256], [512, 256, 64]
+    recipe = {f"fnet.encoder.layer.{i}.{p}": d for i in (0, 1) for p, d in
+              (("intermediate.dense", up), ("output.dense", down))}
+    doc = read_json(workflow_copy / "results/fnet/cpu-torch/fnet-base/w512/gemm.json", "gemm")
+    main = doc["graphs"]["main"]
+    assert sorted(main["variants"]) == ["fp8", "fp8-broken", "fp8-no-output-dense"]
+    assert {c["layer"]: c["dims"] for c in main["variants"]["fp8"]["calls"]} == recipe
+    assert {c["layer"]: c["dims"] for c in main["variants"]["fp8-no-output-dense"]["calls"]} == {
+        k: d for k, d in recipe.items() if "intermediate" in k}
+    broken = main["variants"]["fp8-broken"]
+    assert broken["status"] == "failed" and "selects no layer" in broken["error"]
+    assert sorted((s["dims"], s["copies"]) for s in main["shapes"].values()) == [(up, 2), (down, 2)]
+    assert all(s["emulated"] and s["fp8_gemm"] is None for s in main["shapes"].values())
+    assert main["variants"]["fp8"]["g"] == pytest.approx(bound.gemm_speedup(main["shapes"], main["variants"]["fp8"]["calls"])["g"])
+    ort = read_json(workflow_copy / "results/fnet/cpu-onnxruntime/fnet-base/w512/gemm.json", "gemm")
+    assert sorted(ort["graphs"]["main"]["variants"]) == ["fp8"] and ort["backend"] == "onnxruntime"
+    assert all(any("QuantizeLinear" in r["name"] for r in s["fp8_ran"]) for s in ort["graphs"]["main"]["shapes"].values())
+
+
+def test_every_speed_row_carries_its_bound_and_the_readme_shows_it(workflow_copy):
+    """tables.json: the candidate's rows have f (from the baseline's kernels.json), g (from gemm.json)
+    and 1 / ((1 - f) + f / g); the README's speed table shows that cell beside x."""
+    from quantstudy import bound, render
+
+    tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
+    rows = [r for r in tables["speed"] if r["variant"] == "fp8"]
+    assert sorted(r["target"] for r in rows) == ["cpu-onnxruntime", "cpu-torch"]
+    for r in rows:
+        assert r["f_source"].endswith(f"{r['target']}/fnet-base/w512/fp16-hs/kernels.json")  # the baseline at 512
+        assert r["g_source"].endswith(f"{r['target']}/fnet-base/w512/gemm.json")
+        assert 0 < r["f"] < 1 and r["f_kind"] == "exact" and r["fp8_emulated"] is True
+        assert r["bound"] == pytest.approx(bound.amdahl_bound(r["f"], r["g"]))
+        assert r["at_limit"] == (r["x"] >= tables["bound"]["at_limit"] * r["bound"])
+    assert {r["target"]: r["f_basis"] for r in rows} == {"cpu-torch": "by shape [M, K, N]",
+                                                          "cpu-onnxruntime": "by module name"}
+    fp16 = next(r for r in tables["speed"] if r["variant"] == "fp16" and r["target"] == "cpu-torch")
+    assert fp16["bound"] is None and fp16["bound_note"] == "no FP8 layer"
+    readme = (workflow_copy / "results/fnet/README.md").read_text()
+    header = "| Model, window | Target | Baseline | fp32 |"
+    assert "Amdahl bound of x" in next(line for line in readme.splitlines() if line.startswith(header))
+    macros = render.environment().get_template("macros.md.j2").module
+    table = {(r[1]): r for r in _table_rows(readme, header)}
+    for r in rows:
+        assert table[r["target"]][7] == str(macros.bound_cell(r)) and render.times(r["bound"]) in table[r["target"]][7]
+    assert "Amdahl bound: 1 / ((1 - f) + f / g)" in readme
+
+
 def test_noop_rerun_does_nothing(workflow_copy):
     proc = snakemake(workflow_copy, "-n", "--configfile", ".test/config.yaml")
     assert proc.returncode == 0
@@ -144,8 +199,12 @@ def test_changing_one_variant_reruns_only_its_chain(workflow_copy):
     jobs = planned_jobs(proc.stdout + proc.stderr)
     per_variant = [(rule, w["variant"]) for rule, w in jobs if "variant" in w]
     assert sorted(per_variant) == sorted((r, "fp8-no-output-dense") for r in ("build", "time", "profile", "evaluate"))
-    # `all` is the target rule: it runs no code.
-    assert sorted(rule for rule, w in jobs if "variant" not in w) == ["aggregate", "all", "audit", "plot", "render"]
+    # `all` is the target rule: it runs no code. The GEMMs of the FP8 variants of its target, model
+    # and setting are timed again: the variant's FP8 layers changed.
+    assert sorted(rule for rule, w in jobs if "variant" not in w) == ["aggregate", "all", "audit", "gemm", "plot",
+                                                                       "render"]
+    assert [w for rule, w in jobs if rule == "gemm"] == [{"study": "fnet", "target": "cpu-torch", "model": "fnet-base",
+                                                           "setting": "w512"}]
 
 
 def test_audit_traces_the_readme_to_pinned_inputs(workflow_copy, monkeypatch):
@@ -513,13 +572,14 @@ def _job_intervals(repo: Path) -> list[tuple[str, str, object, object]]:
 
 
 def test_measurement_jobs_never_overlap_while_other_jobs_run_in_parallel(workflow_copy):
-    """`speed_measurement`: time and profile jobs hold the one slot the Snakefile declares, with no
+    """`speed_measurement`: time, profile and gemm jobs hold the one slot the Snakefile declares, with no
     --resources on the command line, so no two of them ran at once; other jobs did (--cores 2)."""
     import itertools
 
     jobs = _job_intervals(workflow_copy)
-    measuring = sorted((j for j in jobs if j[0] in ("time", "profile")), key=lambda j: j[2])
-    assert len(measuring) == 14  # 7 variant x target pairs (.test/fnet.yaml), each timed and profiled
+    measuring = sorted((j for j in jobs if j[0] in ("time", "profile", "gemm")), key=lambda j: j[2])
+    # 7 variant x target pairs (.test/fnet.yaml), each timed and profiled; the GEMMs of both targets
+    assert len(measuring) == 16
     for a, b in zip(measuring, measuring[1:]):
         assert a[3] <= b[2], f"{a[1]} ({a[2]} to {a[3]}) overlaps {b[1]} ({b[2]} to {b[3]})"
     overlapping = [(a[1], b[1]) for a, b in itertools.combinations(jobs, 2) if a[2] < b[3] and b[2] < a[3]]

@@ -19,9 +19,12 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from quantstudy.timing import gemm_calls, projection_dims
+
 INPUT = "onnx"  # what `build` takes: the exported ONNX (the torch backend takes a module)
 ENGINE_FILE = "model.onnx"
 PROVIDERS = ["CPUExecutionProvider"]
+GEMM_NODES = {"MatMul", "Gemm", "FusedMatMul"}  # ONNX Runtime's GEMM nodes, fused ones included
 
 
 def _session_options(target: dict[str, Any], profile_prefix: str | None = None) -> ort.SessionOptions:
@@ -175,18 +178,27 @@ class Runner:
         groups: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)  # node runs, over all calls
         kernels: dict[tuple[str, str], float] = defaultdict(float)
+        gemms: dict[tuple, list] = defaultdict(lambda: [0.0, 0])  # (node, dims) -> [ms, runs]
         for e in events:
             node, op = e["name"].removesuffix("_kernel_time"), e["args"].get("op_name", "")
             layer = node.split("/")[0].removesuffix(".input_quantizer").removesuffix(".weight_quantizer")
             region = fp8_region if layer in fp8_layers else None
             name = {"MatMul": "aten::matmul", "Gemm": "aten::addmm"}.get(op, f"onnxruntime::{op}")
-            group = classify(region, name, "cpu", {"name": name, "shapes": shapes.get(node, []), "dtypes": []})
+            # A node ONNX Runtime made by fusion (`<layer>/MatMul/MatMulAddFusion`) has its source node's shapes.
+            node_shapes = shapes.get(node) or shapes.get(node.rsplit("/", 1)[0], [])
+            group = classify(region, name, "cpu", {"name": name, "shapes": node_shapes, "dtypes": []})
             groups[group] += e["dur"] / 1e3 / calls
             counts[group] += 1
             kernels[(group, f"{node} ({op})")] += e["dur"] / 1e3 / calls
+            if op in GEMM_NODES:
+                dims = projection_dims(*node_shapes[:2]) if len(node_shapes) >= 2 else None
+                gemms[(node, tuple(dims) if dims else None)][0] += e["dur"] / 1e3
+                gemms[(node, tuple(dims) if dims else None)][1] += 1
         top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
         return {"groups_ms": dict(groups), "groups_count": {g: n / calls for g, n in counts.items()}, "total_ms": sum(groups.values()),
-                "top_kernels": [{"group": g, "name": n, "ms": ms} for (g, n), ms in top]}
+                "top_kernels": [{"group": g, "name": n, "ms": ms} for (g, n), ms in top],
+                # node names are `<module>/<op>`: the Amdahl bound finds the recipe's GEMMs by them
+                "gemm_names": "module", "gemms": gemm_calls(dict(gemms), calls)}
 
 
 def _profile_events(path: str) -> list[dict[str, Any]]:

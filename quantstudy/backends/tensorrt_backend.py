@@ -20,6 +20,8 @@ from typing import Any, Callable
 import tensorrt as trt
 import torch
 
+from quantstudy.timing import gemm_calls, projection_dims
+
 INPUT = "onnx"  # what `build` takes: the exported ONNX
 PLAN_FILE = "engine.plan"
 LAYERS_FILE = "layers.json"  # the engine inspector's JSON, beside the plan
@@ -365,6 +367,7 @@ class Runner:
         groups: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)  # layers: the profiler reports each layer once per call
         kernels: dict[tuple[str, str], float] = defaultdict(float)
+        gemms: dict[tuple, tuple[float, int]] = {}  # (layer, dims) -> (ms, runs) over the calls
         for name, ms in times.items():
             layer = info.get(name, {})
             region = fp8_region if _is_fp8_gemm(layer) else None
@@ -378,6 +381,12 @@ class Runner:
             groups[group] += ms / calls
             counts[group] += 1
             kernels[(group, name)] += ms / calls
+            if op["name"] == "aten::matmul":
+                dims = projection_dims(*op["shapes"][:2]) if len(op["shapes"]) >= 2 else None
+                gemms[(name, tuple(dims) if dims else None)] = (ms, calls)
         top = sorted(kernels.items(), key=lambda kv: -kv[1])[:20]
         return {"groups_ms": dict(groups), "groups_count": dict(counts), "total_ms": sum(groups.values()),
-                "top_kernels": [{"group": g, "name": n, "ms": ms} for (g, n), ms in top]}
+                "top_kernels": [{"group": g, "name": n, "ms": ms} for (g, n), ms in top],
+                # layer names are built from the ONNX node names, `<module>/<op>`: the Amdahl bound
+                # finds the recipe's GEMMs by them (a fused layer names each node it holds)
+                "gemm_names": "module", "gemms": gemm_calls(gemms, calls)}

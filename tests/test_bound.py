@@ -1,0 +1,179 @@
+"""The Amdahl bound beside x (quantstudy/bound.py): the formula, f from a kernel profile, g from
+GEMM timings, and the bound in tables.json and the rendered README, on small cases by hand."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from quantstudy import aggregate, bound
+
+
+def test_bound_formula_on_known_cases():
+    assert bound.amdahl_bound(0.5, 2.0) == pytest.approx(4 / 3)
+    assert bound.amdahl_bound(0.0, 3.0) == 1.0  # nothing in FP8: nothing gained
+    assert bound.amdahl_bound(0.7, 1.0) == 1.0  # FP8 GEMMs no faster: nothing gained
+    assert bound.amdahl_bound(1.0, 2.5) == pytest.approx(2.5)  # all GEMMs: g itself
+    assert bound.amdahl_bound(0.5, 0.5) == pytest.approx(2 / 3)  # emulated FP8: a bound below 1
+    with pytest.raises(ValueError, match="share of time"):
+        bound.amdahl_bound(1.5, 2.0)
+    with pytest.raises(ValueError, match="speed-up"):
+        bound.amdahl_bound(0.5, 0.0)
+
+
+def test_at_limit_uses_the_declared_threshold():
+    assert bound.at_limit(1.30, 4 / 3, 0.9) is True  # 97.5% of the bound
+    assert bound.at_limit(1.10, 4 / 3, 0.9) is False  # 82.5%
+    assert bound.at_limit(None, 4 / 3) is None
+
+
+# A baseline profile by hand: 10 ms in all; two up-projections [128, 64, 256] (3 ms), two down
+# [128, 256, 64] (2 ms), a hidden-axis GEMM [128, 64, 64] (1 ms), an attention matmul (no dims, 1 ms).
+PROFILE_BY_OP = {"total_ms": 10.0, "gemm_names": "op", "gemms": [
+    {"name": "aten::linear", "dims": [128, 64, 256], "ms": 3.0, "count": 2.0},
+    {"name": "aten::linear", "dims": [128, 256, 64], "ms": 2.0, "count": 2.0},
+    {"name": "aten::matmul", "dims": [128, 64, 64], "ms": 1.0, "count": 1.0},
+    {"name": "aten::bmm", "dims": None, "ms": 1.0, "count": 1.0}]}
+CALLS = [{"layer": f"encoder.layer.{i}.{name}", "dims": dims}
+         for i in (0, 1) for name, dims in (("up", [128, 64, 256]), ("down", [128, 256, 64]))]
+
+
+def test_f_by_shape_is_the_recipe_gemms_share():
+    share = bound.recipe_share(PROFILE_BY_OP, CALLS)
+    assert share["f"] == pytest.approx(0.5) and share["kind"] == "exact" and share["found"] == 4
+    only_up = [c for c in CALLS if c["layer"].endswith("up")]
+    assert bound.recipe_share(PROFILE_BY_OP, only_up)["f"] == pytest.approx(0.3)
+
+
+def test_f_by_shape_splits_a_shape_shared_with_other_gemms():
+    # The recipe runs one of the two up-projections in FP8: the other shares its shape.
+    share = bound.recipe_share(PROFILE_BY_OP, CALLS[:1])
+    assert share["f"] == pytest.approx(0.15) and share["kind"] == "split" and "split by call count" in share["basis"]
+
+
+def test_f_is_a_lower_bound_where_recipe_gemms_are_missing_from_the_profile():
+    profile = copy.deepcopy(PROFILE_BY_OP)
+    profile["gemms"][1]["count"] = 1.0  # one down-projection ran in a kernel no op claims
+    share = bound.recipe_share(profile, CALLS)
+    assert share["kind"] == "incomplete" and "only 3 of the recipe's 4" in share["basis"]
+
+
+def test_f_by_module_name_needs_the_whole_module_path_and_the_calls_dims():
+    profile = {"total_ms": 8.0, "gemm_names": "module", "gemms": [
+        {"name": "blocks.0.attn.proj/MatMul", "dims": [196, 32, 32], "ms": 1.0, "count": 1.0},
+        {"name": "cls_attn_blocks.0.attn.proj/MatMul", "dims": [1, 32, 32], "ms": 1.0, "count": 1.0},
+        # a layer also called at a site the recipe keeps out of FP8 (other rows)
+        {"name": "blocks.0.attn.qkv/MatMul", "dims": [196, 32, 96], "ms": 2.0, "count": 1.0},
+        {"name": "blocks.0.attn.qkv/MatMul_1", "dims": [16, 32, 96], "ms": 0.5, "count": 1.0},
+        # a TensorRT layer that fused a GEMM and its bias add, shape unknown
+        {"name": "blocks.0.mlp.fc1/MatMul + blocks.0.mlp.fc1/Add", "dims": None, "ms": 2.0, "count": 1.0}]}
+    calls = [{"layer": "blocks.0.attn.proj", "dims": [196, 32, 32]}, {"layer": "blocks.0.attn.qkv", "dims": [196, 32, 96]},
+             {"layer": "blocks.0.mlp.fc1", "dims": [196, 32, 128]}]
+    share = bound.recipe_share(profile, calls)
+    assert share["f"] == pytest.approx(5.0 / 8.0) and share["kind"] == "exact" and share["basis"] == "by module name"
+    # Unknown dims under a recipe layer's name that runs twice: counted, and said to be a superset.
+    profile["gemms"].append({"name": "blocks.0.mlp.fc1/MatMul_1", "dims": None, "ms": 0.5, "count": 1.0})
+    share = bound.recipe_share(profile, calls)
+    assert share["kind"] == "superset" and share["f"] == pytest.approx(5.5 / 8.0)
+
+
+def test_f_needs_a_profile_with_gemm_calls():
+    with pytest.raises(ValueError, match="rerun profile"):
+        bound.recipe_share({"total_ms": 1.0, "groups_ms": {}}, CALLS)
+
+
+SHAPES = {"up": {"fp16_gemm_ms": 1.0, "fp8_gemm_ms": 0.5}, "down": {"fp16_gemm_ms": 2.0, "fp8_gemm_ms": 1.5}}
+
+
+def test_g_is_summed_fp16_time_over_summed_fp8_time():
+    calls = [{"layer": "a", "shape": "up"}, {"layer": "b", "shape": "up"}, {"layer": "c", "shape": "down"}]
+    g = bound.gemm_speedup(SHAPES, calls)
+    assert g == {"fp16_ms": 4.0, "fp8_ms": 2.5, "g": 1.6}
+    assert bound.gemm_speedup(SHAPES, calls[:1])["g"] == 2.0
+
+
+def _gemm_doc(status: str = "ok") -> dict:
+    calls = [{"layer": c["layer"], "dims": c["dims"], "shape": "up" if c["layer"].endswith("up") else "down"}
+             for c in CALLS]
+    doc = {"target": "cpu-torch", "model": "m", "setting": "w128", "status": status,
+           "provenance": {"params": {"specs": {"fp8": {}}}}}
+    if status == "ok":
+        doc["graphs"] = {"main": {"shapes": SHAPES, "variants": {"fp8": {"status": "ok", "calls": calls, "emulated": False,
+                                                                          **bound.gemm_speedup(SHAPES, calls)}}}}
+    else:
+        doc["error"] = "Traceback ...\nRuntimeError: no FP8 GEMM for this shape"
+    return doc
+
+
+def _kernels_doc(status: str = "ok") -> dict:
+    doc = {"target": "cpu-torch", "model": "m", "setting": "w128", "variant": "fp16", "status": status}
+    if status == "ok":
+        doc["graphs"] = {"main": PROFILE_BY_OP}
+    else:
+        doc["error"] = "Traceback ...\nRuntimeError: profiler crashed"
+    return doc
+
+
+ROW = {"target": "cpu-torch", "model": "m", "setting": "w128", "variant": "fp8", "graph": "main", "x": 1.1}
+
+
+def test_the_bound_of_a_speed_row_from_its_gemm_and_profile_json():
+    gemms = {("cpu-torch", "m", "w128"): ("gemm.json", _gemm_doc())}
+    kernels = {("cpu-torch", "m", "w128", "fp16"): ("kernels.json", _kernels_doc())}
+    b = aggregate._bound(ROW, gemms, kernels, "fp16", 0.9)
+    assert b["f"] == pytest.approx(0.5) and b["g"] == pytest.approx(1.5)  # (2 x 1 + 2 x 2) / (2 x 0.5 + 2 x 1.5)
+    assert b["bound"] == pytest.approx(1.2) and b["at_limit"] is True  # 1.1 is 92% of 1.2
+    assert b["f_source"] == "kernels.json" and b["g_source"] == "gemm.json" and b["bound_note"] is None
+    assert aggregate._bound(ROW | {"x": 0.9}, gemms, kernels, "fp16", 0.9)["at_limit"] is False
+    # No FP8 layer in the variant; a failed GEMM job; a failed baseline profile: each says so.
+    assert aggregate._bound(ROW | {"variant": "fp16"}, gemms, kernels, "fp16", 0.9)["bound_note"] == "no FP8 layer"
+    failed = {("cpu-torch", "m", "w128"): ("gemm.json", _gemm_doc("failed"))}
+    assert aggregate._bound(ROW, failed, kernels, "fp16", 0.9)["bound_note"] == \
+        "GEMM timing failed: RuntimeError: no FP8 GEMM for this shape"
+    broken = {("cpu-torch", "m", "w128", "fp16"): ("kernels.json", _kernels_doc("failed"))}
+    b = aggregate._bound(ROW, gemms, broken, "fp16", 0.9)
+    assert b["bound"] is None and b["g"] == pytest.approx(1.5)
+    assert b["bound_note"] == "profile of the baseline fp16 failed: RuntimeError: profiler crashed"
+
+
+def test_the_bound_is_rendered_next_to_x_with_its_marker_and_reason():
+    """The render path: speed rows carrying the bound (as aggregate writes them) -> the speed table's cells."""
+    from quantstudy.render import environment
+
+    macros = environment().get_template("macros.md.j2").module
+    gemms = {("cpu-torch", "m", "w128"): ("gemm.json", _gemm_doc())}
+    kernels = {("cpu-torch", "m", "w128", "fp16"): ("kernels.json", _kernels_doc())}
+    at = ROW | {"status": "ok"} | aggregate._bound(ROW, gemms, kernels, "fp16", 0.9)
+    assert str(macros.bound_cell(at)) == "1.20: hardware limit (f 50.00%, g 1.50)"
+    low = ROW | {"status": "ok", "x": 0.6} | aggregate._bound(ROW | {"x": 0.6}, gemms, kernels, "fp16", 0.9)
+    assert str(macros.bound_cell(low)) == "1.20: **engine** (x is 50.00% of it) (f 50.00%, g 1.50)"
+    failed = ROW | {"status": "ok"} | aggregate._bound(
+        ROW, gemms, {("cpu-torch", "m", "w128", "fp16"): ("kernels.json", _kernels_doc("failed"))}, "fp16", 0.9)
+    assert str(macros.bound_cell(failed)) == "profile of the baseline fp16 failed: RuntimeError: profiler crashed"
+
+
+@pytest.mark.parametrize("name", ["torch", "onnxruntime", "torch-cuda", "tensorrt"])
+def test_gemm_timing_runs_what_each_backends_fp8_engine_runs(name, one_cpu_thread):
+    """g is of the GEMM the backend's FP8 engine runs: torch._scaled_mm on a GPU with FP8, a TensorRT
+    FP8 tactic; emulated (dequantize, then a wider GEMM) on the CPU backends, where g < 1 is the answer.
+    Two shapes, one with two calls: each timed as a stack of its calls, per-GEMM time = stack / copies."""
+    from conftest import backend_or_skip, target_for
+
+    from quantstudy import gemm
+
+    backend_or_skip(name)
+    calls = [{"layer": f"l{i}", "input_shape": [1, 32, 64], "dims": [32, 64, 128], "bias": True,
+              "dequantize_dtype": "float16"} for i in (0, 1)]
+    calls.append({"layer": "l2", "input_shape": [1, 32, 128], "dims": [32, 128, 64], "bias": False,
+                  "dequantize_dtype": "float16"})
+    shapes = gemm.time_calls({"fp8": calls}, {"fp8": "float16"}, target_for(name),
+                             {"warmup": 2, "rounds": 3, "calls_per_round": 2})
+    assert sorted((s["dims"], s["copies"]) for s in shapes.values()) == [([32, 64, 128], 2), ([32, 128, 64], 1)]
+    for s in shapes.values():
+        assert s["fp16_gemm_ms"] == pytest.approx(s["fp16_ms"]["median_ms"] / s["copies"]) and s["g"] > 0
+        assert s["emulated"] == (name in ("torch", "onnxruntime")), s["fp8_ran"]
+        if name == "torch-cuda":
+            assert s["fp8_gemm"] == "torch._scaled_mm"
+        if name == "onnxruntime":
+            assert {"onnxruntime::QuantizeLinear", "onnxruntime::DequantizeLinear"} <= {r["name"] for r in s["fp8_ran"]}

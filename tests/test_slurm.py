@@ -8,7 +8,7 @@ where that is a failure. Its wall time, one GPU and one CPU sbatch line and the 
 go to logs/test_slurm/summary.md.
 
 The DAG is the embedded default's FNet study (config/config.yaml with its other studies left out,
-JOBS_SLURM jobs) on a node of four test GPUs; each GPU job must have had a card of its own. Through Slurm
+168 jobs) on a node of four test GPUs; each GPU job must have had a card of its own. Through Slurm
 every job is a process of its own that imports torch (8 s a job on 2 cores), so the whole embedded
 default (about 300 jobs) would take CI past its time; the other studies use the same rules.
 QS_SLURM_TEST_CONFIG=config/config.yaml runs all of it, .test/config.yaml the workflow tests'

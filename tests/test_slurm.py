@@ -117,22 +117,30 @@ def deterministic(path, repo):
     the content digest, which covers it),
     the repository's path, and what was measured. Timing and kernel files keep their fields,
     status and list lengths; in tables.json the speed, kernel and decision numbers are masked.
-    README numbers are all masked: each one is rendered from a JSON compared here (Jinja only)."""
+    README numbers are all masked: each one is rendered from a JSON compared here (Jinja only); so is
+    each JSON file's sha256 that another records (it covers that file's provenance), and the plot."""
+    if path.suffix == ".png":  # the plot draws the measured numbers
+        return "a PNG"
     text = path.read_text(errors="replace").replace(str(repo), "<repo>")
-    if path.suffix == ".md":
-        return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", text)
+    if path.suffix in (".md", ".html"):
+        text = re.sub(r"data:image/png;base64,[A-Za-z0-9+/=]+", "<the plot>", text)
+        text = re.sub(r"\b[0-9a-f]{64}\b", "<sha256>", text)  # a sample list's: it covers its provenance
+        text = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", text)
+        text = re.sub(r"#([x%]?) to #\1", r"#\1", text)  # a range of measured values may be one value
+        # Whether x reached its Amdahl bound is read from measured x.
+        return re.sub(r": (hardware limit|(\*\*engine\*\*|<strong>engine</strong>) \(x is #% of it\))", ": <bound>", text)
     if path.suffix != ".json":
         return text
 
     masked_keys = {"speed", "kernels", "decision"} if path.name == "tables.json" else set()
 
     def strip(x, measured=False, lengths=False):
-        if isinstance(x, dict):
-            return {k: strip(v, measured or k in masked_keys, lengths)
+        if isinstance(x, dict):  # a file's sha256 (an amax file, a sample list) covers its provenance
+            return {k: strip(v, measured or k in masked_keys, lengths) if not k.endswith("sha256") else "sha256"
                     for k, v in x.items() if k not in ("provenance", "content_sha256")}
         if isinstance(x, list):
             return len(x) if lengths else [strip(v, measured, lengths) for v in x]
-        if measured and isinstance(x, (int, float)) and not isinstance(x, bool):
+        if measured and isinstance(x, (int, float)):  # a bool too: at_limit, pass
             return type(x).__name__
         return x
 

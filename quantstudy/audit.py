@@ -116,7 +116,7 @@ def check_chain(tables_json: str | Path) -> dict[str, Any]:
     steps = walk(tables_json)
     problems = [problem_text(s) for s in steps if s.get("problem")]
     # The root of the chain: every checkpoint and sample list was fetched at the revision the study pins.
-    spec = read_json(tables_json, "tables")["spec"]
+    spec = (steps[0].get("doc") or read_json(tables_json, "tables"))["spec"]  # the walk read it first
     pins = {m["checkpoint"]["repo"]: m["checkpoint"]["revision"] for m in spec["models"].values()}
     pins |= {d["repo"]: d["revision"] for d in spec["datasets"].values()}
     for s in steps:

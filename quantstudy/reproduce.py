@@ -12,6 +12,7 @@ and compares each new JSON with the recorded one within the tolerances below.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import tempfile
@@ -131,17 +132,13 @@ def scratch_copy(study: str, scratch: Path) -> Path:
                 shutil.copytree(entry, scratch / entry.name, symlinks=True)
             else:
                 shutil.copy2(entry, scratch / entry.name)
-    shutil.copytree(root / "results" / study, scratch / "results" / study, copy_function=_link, dirs_exist_ok=True)
+    shutil.copytree(root / "results" / study, scratch / "results" / study, copy_function=os.link, dirs_exist_ok=True)
     if (root / ".snakemake/metadata").is_dir():
         shutil.copytree(root / ".snakemake/metadata", scratch / ".snakemake/metadata")
     (scratch / "resources").mkdir(exist_ok=True)
     if (root / "resources/hf-cache").exists() and not (scratch / "resources/hf-cache").exists():
         (scratch / "resources/hf-cache").symlink_to((root / "resources/hf-cache").resolve())
     return scratch
-
-
-def _link(src: str, dst: str) -> None:
-    Path(dst).hardlink_to(src)
 
 
 def reproduce(study_dir: str | Path, configfile: str, jobs: list[str], scratch: str | Path | None = None,

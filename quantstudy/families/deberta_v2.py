@@ -10,10 +10,10 @@ Shapes are static: one engine per window and batch.
 The graph module runs the Transformers modules (embeddings, projections, layer norms,
 feed-forward) and restates DisentangledSelfAttention's forward, the same ops in the same order,
 with two changes:
-- the relative positions (log buckets) of the static window are computed once, a buffer:
-  Transformers builds them in every forward, with a CPU tensor inside make_log_bucket_position
-  that breaks CUDA-graph capture of an eager forward; the attention scale is a 0-dim buffer
-  for the same reason;
+- the relative positions (log buckets) of the static window are computed once, a buffer of
+  one bucket per offset i - j that the forward indexes: Transformers builds them in every
+  forward, with a CPU tensor inside make_log_bucket_position that breaks CUDA-graph capture of
+  an eager forward; the attention scale is a 0-dim buffer for the same reason;
 - with share_att_key, query_proj and key_proj also project the relative position embeddings.
   Those calls are the declared call site `relative_positions` (quantization.linear_call), so a
   recipe's `exclude_calls: [relative_positions]` keeps the positional products in the work
@@ -149,22 +149,35 @@ class FeatureEncoder(nn.Module):
         for layer in encoder.layer:
             layer.attention.self = RelativeAttention(layer.attention.self)
         # The log-bucketed relative positions of the static window, with Transformers' own function.
+        # They depend on i - j only: the buffer is one bucket per offset, [2 window - 1], from which
+        # the forward indexes the [window, window] matrix, so that a compiled attention computes
+        # the gather indices in its softmax kernel instead of reading an int64 matrix per head.
         anchor = torch.empty(window, 0)
-        self.register_buffer("relative_pos", build_relative_position(
-            anchor, anchor, bucket_size=encoder.position_buckets, max_position=encoder.max_relative_positions),
-            persistent=False)
+        matrix = build_relative_position(anchor, anchor, bucket_size=encoder.position_buckets,
+                                         max_position=encoder.max_relative_positions)[0]
+        by_offset = torch.cat([matrix[0].flip(0), matrix[1:, 0]])  # offsets -(window - 1) .. window - 1
+        if matrix.device.type != "meta" and not torch.equal(by_offset[_offsets(window, matrix.device)], matrix):
+            raise AssertionError("the relative positions of this window are not a function of i - j")
+        self.register_buffer("bucket_by_offset", by_offset, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        window = self.relative_pos.shape[-1]
+        window = (self.bucket_by_offset.shape[0] + 1) // 2
         if input_ids.shape[-1] != window:
             raise ValueError(f"this graph module is built for a window of {window} tokens, not {input_ids.shape[-1]}")
         encoder = self.deberta.encoder
         h = self.deberta.embeddings(input_ids=input_ids, mask=attention_mask)
         mask = encoder.get_attention_mask(attention_mask)
         rel_embeddings = encoder.get_rel_embedding()
+        relative_pos = self.bucket_by_offset[_offsets(window, input_ids.device)].unsqueeze(0)  # [1, window, window]
         for layer in encoder.layer:
-            h = layer(h, mask, relative_pos=self.relative_pos, rel_embeddings=rel_embeddings)[0]
+            h = layer(h, mask, relative_pos=relative_pos, rel_embeddings=rel_embeddings)[0]
         return {"features": h}
+
+
+def _offsets(window: int, device: torch.device) -> torch.Tensor:
+    """[window, window] int64: i - j + window - 1, the index of query i and key j's offset."""
+    positions = torch.arange(window, device=device)
+    return positions[:, None] - positions[None, :] + (window - 1)
 
 
 def _sha(text: str) -> str:

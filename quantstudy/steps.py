@@ -70,6 +70,13 @@ def _deterministic() -> None:
         torch.set_num_threads(1)
 
 
+def _gpu_work(device: str):
+    """A shared turn on the GPU (timing.device_lock) for a job's GPU work: never during a measurement."""
+    from quantstudy import timing as qt
+
+    return qt.device_lock(device, shared=True)
+
+
 def _device() -> str:
     """Where the fp32 reference and the calibration run: the GPU if there is one (real-size models
     are too slow on a CPU), else the CPU. Recorded in their JSON."""
@@ -201,8 +208,9 @@ def reference(family: str, model: str, setting: dict[str, Any], metrics: dict[st
     started = now()
     _deterministic()
     device = _device()
-    tensors, blocks = _family(family).reference(_snapshot(checkpoint_json), _samples(samples_jsons, family),
-                                                _setting(setting), metrics, seeds, device, getattr(torch, dtype))
+    with _gpu_work(device):
+        tensors, blocks = _family(family).reference(_snapshot(checkpoint_json), _samples(samples_jsons, family),
+                                                    _setting(setting), metrics, seeds, device, getattr(torch, dtype))
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     artifacts.atomic_write(out_tensors, save(tensors))
     write_json(out_json, "reference", {
@@ -225,13 +233,14 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
     fam, st, ckpt = _family(family), _setting(setting), _snapshot(checkpoint_json)
     device = _device()
     graph = next(iter(fam.graphs(st, architecture)))
-    module = fam.module(ckpt, graph, st).to(device)
     paths = [samples_json] if isinstance(samples_json, (str, Path)) else list(samples_json)
     samples = [s for p in paths for s in read_samples(p, family)]
-    batches = [{k: v.to(device) for k, v in b.items()} for b in fam.calibration_batches(ckpt, samples, st)]
-    log.info("calibrating %s (%s, graph %s) on %d samples (%d batches)", model, st.name, graph, len(samples),
-             len(batches))
-    amax = quantization.calibrate(module, batches, Progress("calibration batches", len(batches)))
+    with _gpu_work(device):
+        module = fam.module(ckpt, graph, st).to(device)
+        batches = [{k: v.to(device) for k, v in b.items()} for b in fam.calibration_batches(ckpt, samples, st)]
+        log.info("calibrating %s (%s, graph %s) on %d samples (%d batches)", model, st.name, graph, len(samples),
+                 len(batches))
+        amax = quantization.calibrate(module, batches, Progress("calibration batches", len(batches)))
     layers = quantization.select(sorted(amax), recipe["quantize"])
     report = quantization.outliers(amax, layers, recipe["outlier_ratio"])
     log.info("largest scale ratio to the median: %s; outliers: %s", report["largest_ratio"], report["layers"])
@@ -520,8 +529,10 @@ def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
                     variants[variant] = {"status": "failed", "error": traceback.format_exc(), "calls": []}
                     log.error("%s %s: %s", g, variant, variants[variant]["error"].strip().splitlines()[-1])
                     continue
-                calls[variant] = qg.recipe_calls(model.to(target["device"]), {
-                    k: v.to(target["device"]) for k, v in _example_inputs(family, ckpt, g, st, spec["precision"]).items()})
+                with _gpu_work(target["device"]):
+                    calls[variant] = qg.recipe_calls(model.to(target["device"]), {
+                        k: v.to(target["device"])
+                        for k, v in _example_inputs(family, ckpt, g, st, spec["precision"]).items()})
                 log.info("%s %s: %d FP8 GEMM calls", g, variant, len(calls[variant]))
             shapes = qg.time_calls(calls, {v: s["precision"] for v, s in specs.items()}, target, timing,
                                    lambda line: log.info("%s %s", g, line))
@@ -578,15 +589,15 @@ def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting
         _deterministic()
         st = _setting(setting)
         build_doc = read_json(build_json, "build")
-        runners = _runners(family, build_doc, recipe, checkpoint_json, st, target)
-        against = {v: _batched_run(_runners(family, read_json(p, "build"), recipe, checkpoint_json, st, target),
-                                   st.batch) for v, p in against_builds.items()}
-        with torch.no_grad():
+        with _gpu_work(target["device"]), torch.no_grad():
+            runners = _runners(family, build_doc, recipe, checkpoint_json, st, target)
+            against = {v: _batched_run(_runners(family, read_json(p, "build"), recipe, checkpoint_json, st, target),
+                                       st.batch) for v, p in against_builds.items()}
             result = _family(family).evaluate(_snapshot(checkpoint_json), _batched_run(runners, st.batch),
                                               load_file(reference_tensors), _samples(samples_jsons, family), st, metrics,
                                               seeds, target["device"], against)
-        log.info("%s; non-finite %d", result.blocks, result.total_nonfinite)
-        probe = _probe(family, build_doc, checkpoint_json, st, runners)
+            log.info("%s; non-finite %d", result.blocks, result.total_nonfinite)
+            probe = _probe(family, build_doc, checkpoint_json, st, runners)
         write_json(out, "quality", {"status": "ok", **ident, "blocks": result.blocks,
                                     "engine_sha256": _engine_digests(build_doc), "probe": probe,
                                     "nonfinite": {**result.nonfinite, "total_bad": result.total_nonfinite},

@@ -112,16 +112,15 @@ def group_by_name(name: str, patterns: list[tuple[str, str]], default: str = "ot
 @contextlib.contextmanager
 def device_lock(device: Any, shared: bool = False):
     """Jobs that share a GPU (parallel Snakemake jobs on one node) take turns on it through a lock
-    file named by the GPU's UUID: a measurement (time, profile) holds it alone; GPU work that
-    would disturb one (a runner's compile, warm-up and graph capture) holds it `shared`, so such
-    work runs in parallel, but never during a measurement. A measurement waiting for its turn
-    closes a gate that new shared holders must pass, so that it is not starved. CPU work stays
-    parallel.
+    file named by the GPU's UUID: a measurement (time, profile, gemm) holds it alone; GPU work that
+    would disturb one (a runner's compile, warm-up and graph capture; the GPU work of calibrate,
+    reference and evaluate) holds it `shared`, so such work runs in parallel, but never during a
+    measurement. CPU work stays parallel (see gpu_turn).
 
     Two measurement jobs of one Snakemake run never get here at once: they hold the run's one
     `speed_measurement` slot (rules/common.smk). This lock guards what that resource cannot: other
-    jobs' GPU work (build, evaluate) during a measurement, which Snakemake runs beside it, and
-    measurements of two Snakemake runs (or a test) started separately on one GPU."""
+    jobs' GPU work during a measurement, which Snakemake runs beside it, and measurements of two
+    Snakemake runs (or a test) started separately on one GPU."""
     import torch
 
     device = torch.device(device)
@@ -129,16 +128,40 @@ def device_lock(device: Any, shared: bool = False):
         yield
         return
     uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", device.index or 0))
-    lock = Path(tempfile.gettempdir()) / f"quantstudy-gpu-{uuid}.lock"
+    with gpu_turn(Path(tempfile.gettempdir()) / f"quantstudy-gpu-{uuid}.lock", shared):
+        yield
+
+
+_TURNS_HELD: dict[Path, bool] = {}  # lock file -> shared, for the turns this process holds
+
+
+@contextlib.contextmanager
+def gpu_turn(lock: Path, shared: bool = False):
+    """A turn on the GPU of `lock`: alone, or `shared` with other shared holders. A measurement waiting
+    for its turn closes a gate (lock.gate) that new shared holders must pass, so that it is not starved.
+
+    Reentrant within a process: a turn inside a turn of the same process is already held (a shared
+    turn inside evaluate's holds for the runner's capture). Taking it again would deadlock as soon as
+    a measurement waits at the gate: it waits for this process to let go, and this process for it.
+    A measurement inside shared work is refused, as it would run beside that work."""
+    if lock in _TURNS_HELD:
+        if _TURNS_HELD[lock] and not shared:
+            raise RuntimeError(f"a measurement inside shared GPU work ({lock}): take the alone turn outside it")
+        yield
+        return
     gate = lock.with_suffix(".gate")
     if shared:
         with file_lock(gate, fcntl.LOCK_SH):
             pass
-        with file_lock(lock, fcntl.LOCK_SH):
+    _TURNS_HELD[lock] = shared
+    try:
+        with contextlib.ExitStack() as held:
+            if not shared:
+                held.enter_context(file_lock(gate, fcntl.LOCK_EX))
+            held.enter_context(file_lock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX))
             yield
-    else:
-        with file_lock(gate, fcntl.LOCK_EX), file_lock(lock, fcntl.LOCK_EX):
-            yield
+    finally:
+        del _TURNS_HELD[lock]
 
 
 def _on_cuda(runner: Any) -> bool:

@@ -119,3 +119,15 @@ def test_budget_stops_cleanly_before_a_setting_and_keeps_the_issue_order(bench, 
     assert all("budget" in r["why"] for r in doc["not_run"])
     assert artifacts.read_json(tmp_path / "out.json", "torch_vs_plain")["not_run"] == doc["not_run"]
     assert "not run: fnet-base/w128" in capsys.readouterr().out
+
+
+def test_the_committed_h200_output_is_an_artifact_and_its_markdown_prints_its_rows(bench):
+    """results/h200-torch-vs-plain/: the JSON is a valid artifact of the current schema, the markdown
+    beside it is what the script prints from those rows, and every row's outputs agree."""
+    out = ROOT / "results" / "h200-torch-vs-plain" / "torch_vs_plain.json"
+    doc = artifacts.read_json(out, "torch_vs_plain")
+    printed = out.with_suffix(".md").read_text()
+    assert bench.summary_table(doc["rows"]) in printed
+    for row in doc["rows"]:
+        assert bench.row_table(row) in printed
+        assert row["status"] == "ok" and row["check"]["ok"] and row["check"]["fp8_layers"]["ok"]

@@ -37,7 +37,8 @@ studies=${STUDIES:-"timm_xcit deberta_v2"}
 sm="python3 -m snakemake --configfile config/h200.yaml ${CALL:-} --cores 16 --keep-going --rerun-incomplete"
 # 1: everything but the measurements (parallel, the GPU shared). 2: timing and profiles, each
 # measurement holding the GPU alone (quantstudy.timing.device_lock), then aggregate, render, audit.
-pass1() { $sm --omit-from time profile results/$1/README.md results/$1/audit.json >> $ev/snakemake-$1-1.txt 2>&1; }
+# The targets come first: --omit-from takes every word after it as a rule name.
+pass1() { $sm results/$1/README.md results/$1/audit.json --omit-from time profile >> $ev/snakemake-$1-1.txt 2>&1; }
 pass2() { $sm --cores 10 results/$1/README.md results/$1/audit.json >> $ev/snakemake-$1-2.txt 2>&1; }
 # The GPU tests of the two families and of the torch backend, a GPU test that would skip failing.
 gputests() {

@@ -1,0 +1,59 @@
+"""timing.gpu_turn, the lock behind timing.device_lock, on lock files (no GPU needed): a measurement
+runs alone, after the shared GPU work that holds the GPU, and a process that holds a turn takes it
+again without waiting (a runner's capture inside evaluate's shared turn)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+
+from quantstudy.timing import gpu_turn
+
+FORK = multiprocessing.get_context("fork")
+
+
+def _shared_work(lock, inside, measurement_waits, nested_done, released):
+    with gpu_turn(lock, shared=True):
+        inside.set()
+        measurement_waits.wait(10)
+        time.sleep(0.3)  # the measurement is now blocked on the lock, its gate closed
+        with gpu_turn(lock, shared=True):  # as Runner._capture inside evaluate's turn
+            nested_done.value = time.monotonic()
+        time.sleep(0.2)
+        released.value = time.monotonic()
+
+
+def _measurement(lock, inside, measurement_waits, acquired):
+    inside.wait(10)
+    measurement_waits.set()
+    with gpu_turn(lock):
+        acquired.value = time.monotonic()
+
+
+def test_a_measurement_waits_for_shared_work_which_takes_its_turn_again_without_deadlock(tmp_path):
+    lock = tmp_path / "gpu.lock"
+    inside, waits = FORK.Event(), FORK.Event()
+    nested_done, released, acquired = (FORK.Value("d", 0.0) for _ in range(3))
+    work = FORK.Process(target=_shared_work, args=(lock, inside, waits, nested_done, released))
+    measurement = FORK.Process(target=_measurement, args=(lock, inside, waits, acquired))
+    work.start(), measurement.start()
+    work.join(20), measurement.join(20)
+    stuck = [p for p in (work, measurement) if p.is_alive()]
+    for p in stuck:
+        p.kill()
+    assert not stuck, "deadlock: the nested shared turn waited at the gate the measurement closed"
+    assert work.exitcode == 0 and measurement.exitcode == 0
+    assert 0 < nested_done.value < released.value <= acquired.value  # the measurement ran alone, after the work
+
+
+def test_a_measurement_inside_shared_work_is_refused(tmp_path):
+    lock = tmp_path / "gpu.lock"
+    with gpu_turn(lock, shared=True):
+        with pytest.raises(RuntimeError, match="measurement inside shared GPU work"):
+            with gpu_turn(lock):
+                pass
+    with gpu_turn(lock):  # refused without leaving the turn marked as held
+        with gpu_turn(lock, shared=True):
+            pass

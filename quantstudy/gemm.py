@@ -9,6 +9,13 @@ recipe's own FP8Linear, so each backend runs what its FP8 engine runs: torch._sc
 with FP8, fake-quant (quantize, dequantize, then a matmul in the Dequantize dtype) on a CPU, the
 exported Q/DQ graph on ONNX Runtime and TensorRT. Both stacks are built and opened by the
 target's backend and timed side by side by timing.time_interleaved, like the engines.
+
+g itself is a ratio of GEMM time, not of whole calls: each stack is profiled by the backend's
+profiler, and its GEMMs' time is read from the profile's GEMM calls, as f is read from the
+baseline's (timing.kernel_profile `gemms`). A whole call of the FP8 stack also holds a quantize
+kernel per GEMM and the gaps between small kernels; in the model the quantize fuses into the
+kernel before it, and f holds no gaps, so a ratio of whole calls would make g, and the bound,
+too low (on the H200 at FNet's batch-1 shapes it put g near 1, and the bound below the measured x).
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ from quantstudy import timing as qt
 # An FP8 GEMM among the ops or kernels a profiled FP8 stack ran (torch._scaled_mm; e4m3 kernels
 # and TensorRT tactics). None found: the backend emulates FP8 (dequantize, then a wider GEMM).
 FP8_GEMM = re.compile(r"_scaled_mm|e4m3|fp8|f8f8|qqtst", re.I)
-DEFINITION = ("g = the fp16 time of a variant's FP8 GEMM calls over their FP8 time; each call timed at its own "
-              "shape (its input as the layer sees it, K, N, bias) in a stack of that shape's GEMMs, fp16 "
-              "linears against the recipe's FP8 layers, built, opened and timed side by side by the target's backend")
+DEFINITION = ("g = the fp16 time of a variant's FP8 GEMM calls over their FP8 time; each call at its own shape "
+              "(its input as the layer sees it, K, N, bias) in a stack of that shape's GEMMs, fp16 linears against "
+              "the recipe's FP8 layers, built and opened by the target's backend, timed side by side, and its GEMM "
+              "time read from the backend's profile of each stack (the GEMM calls, as f reads the baseline's)")
+PROFILED_CALLS = 10  # calls of each stack in the profile its GEMM time is read from
 
 
 class GemmStack(nn.Module):
@@ -136,17 +145,27 @@ def _engines(shapes: list[tuple[dict[str, Any], int, str]], precision: str, targ
     return runners
 
 
-def _what_ran(runner) -> list[dict[str, Any]]:
-    """The ops or kernels one profiled call of a runner ran, by name, with ms per call (top 8)."""
-    profile = qt.profile_runner(runner, 1, lambda region, name, device, op: name, {quantization.FP8_REGION})
-    return [{"name": n, "ms": ms} for n, ms in sorted(profile["groups_ms"].items(), key=lambda kv: -kv[1])[:8]]
+def _profile(runner) -> dict[str, Any]:
+    """The backend's profile of PROFILED_CALLS calls of a stack, every op or kernel its own group."""
+    return qt.profile_runner(runner, PROFILED_CALLS, lambda region, name, device, op: name, {quantization.FP8_REGION})
+
+
+def _gemm_ms(profile: dict[str, Any], copies: int, stack: str) -> float:
+    """Per GEMM: the time of the profile's GEMM calls (ms per call of the stack) over the stack's copies."""
+    count = sum(e["count"] for e in profile["gemms"])
+    ms = sum(e["ms"] for e in profile["gemms"])
+    if count < copies or ms <= 0:
+        raise ValueError(f"the {stack} stack's profile holds {count:g} GEMM calls ({ms:g} ms) of its {copies}: "
+                         f"its GEMM time cannot be read from it")
+    return ms / copies
 
 
 def time_shapes(shapes: list[tuple[dict[str, Any], int, str]], target: dict[str, Any], timing: dict[str, int],
                 seed: int = 0, log=None) -> list[dict[str, Any]]:
     """fp16 against FP8 at each GEMM shape ((call, copies, work precision): `copies` GEMMs a call),
-    timed side by side on the target's backend: per-call summaries, per-GEMM medians, their ratio g,
-    and what ran the FP8 GEMM (`fp8_gemm`: the op or kernel; None where the backend emulates FP8)."""
+    timed side by side on the target's backend (per-call summaries) and profiled: per-GEMM time of
+    each stack's GEMM calls, their ratio g, and what ran the FP8 GEMM (`fp8_gemm`: the op or kernel;
+    None where the backend emulates FP8)."""
     results = []
     with tempfile.TemporaryDirectory(prefix="quantstudy-gemm-") as tmp:
         engines = {p: _engines(shapes, p, target, Path(tmp) / p, seed) for p in ("fp16", "fp8")}
@@ -155,17 +174,21 @@ def time_shapes(shapes: list[tuple[dict[str, Any], int, str]], target: dict[str,
             with qt.device_lock(target["device"]):
                 result = qt.time_interleaved(runners, timing["warmup"], timing["rounds"], timing["calls_per_round"],
                                              (lambda line: log(f"{shape_key(call)}: {line}")) if log else None)
-                ran = _what_ran(runners["fp8"])
+                profiles = {p: _profile(r) for p, r in runners.items()}
+            # What the FP8 stack ran: its ops or kernels by name, with ms per call (top 8).
+            ran = [{"name": n, "ms": ms} for n, ms in
+                   sorted(profiles["fp8"]["groups_ms"].items(), key=lambda kv: -kv[1])[:8]]
             if hasattr(runners["fp8"], "fp8_gemm"):  # the torch runner knows which of its layers run _scaled_mm
                 fp8_gemm = "torch._scaled_mm" if runners["fp8"].fp8_gemm else None
             else:
                 fp8_gemm = next((r["name"] for r in ran if FP8_GEMM.search(r["name"])), None)
-            fp16_ms, fp8_ms = result["fp16"]["median_ms"] / copies, result["fp8"]["median_ms"] / copies
+            fp16_ms, fp8_ms = (_gemm_ms(profiles[p], copies, p) for p in ("fp16", "fp8"))
             results.append({"input_shape": call["input_shape"], "dims": call["dims"], "bias": call["bias"],
                             "dequantize_dtype": call["dequantize_dtype"], "work_precision": work, "copies": copies,
                             "fp16_ms": result["fp16"], "fp8_ms": result["fp8"], "fp16_gemm_ms": fp16_ms,
                             "fp8_gemm_ms": fp8_ms, "g": fp16_ms / fp8_ms, "fp8_gemm": fp8_gemm,
-                            "emulated": fp8_gemm is None, "fp8_ran": ran})
+                            "emulated": fp8_gemm is None, "fp8_ran": ran,
+                            "gemm_profile": {p: {"calls": PROFILED_CALLS, "gemms": profiles[p]["gemms"]} for p in profiles}})
     return results
 
 

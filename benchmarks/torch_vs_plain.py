@@ -2,6 +2,7 @@
 
     python benchmarks/torch_vs_plain.py [--tiny] [--families fnet deberta_v2] [--settings 'fnet-base/*']
         [--profile] [--budget-s 450] [--out torch_vs_plain.json] [--work DIR]
+    python benchmarks/torch_vs_plain.py --summary A.json B.json   # several calls' outputs together
 
 On an offline H200 node (./.whl as for results/h200-torch/run.sh), from the repository root:
 
@@ -399,6 +400,20 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]]) -> dict[str, Any]:
+    """Print the summary of the rows of several outputs (a setting in two of them: the later one's row)
+    and the planned settings that none of them has; return {"rows", "missing"}."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in outputs:
+        for row in artifacts.read_json(path, "torch_vs_plain")["rows"]:
+            rows[(row["model"], row["setting"])] = row
+    missing = [f"{m}/{st}" for _, m, st in planned if (m, st) not in rows]
+    print(summary_table(list(rows.values())))
+    print(f"From {', '.join(map(str, outputs))}. Timed settings of the config in none of them: "
+          f"{', '.join(missing) or 'none'}.")
+    return {"rows": list(rows.values()), "missing": missing}
+
+
 # --- the run -------------------------------------------------------------------------------------
 
 def plan(run: config.Run, families: list[str] | None, patterns: list[str] | None) -> list[tuple[config.Study, str, str]]:
@@ -449,6 +464,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="where the steps write checkpoints, samples, amax and engines")
     parser.add_argument("--out", type=Path, help="write the rows as a torch_vs_plain JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="the steps' own log lines")
+    parser.add_argument("--summary", nargs="+", type=Path, metavar="JSON",
+                        help="run nothing: the summary of these outputs' rows (runs of several device calls), and "
+                             "which timed settings of the config none of them has")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -456,6 +474,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps._deterministic()  # TF32 off (FNet's fp32 sequence DFT stays fp32), as the build and time steps run
     cfg = args.config or ROOT / ("config/config.yaml" if args.tiny else "config/h200.yaml")
     run = config.load_run(yaml.safe_load(cfg.read_text()))
+    if args.summary:
+        return summarize(args.summary, plan(run, args.families or list(plain.FAMILIES), args.settings))
     families = args.families or [f for f in plain.FAMILIES if any(s.family == f for s in run.studies.values())]
     unknown = sorted(set(families) - set(plain.FAMILIES))
     if unknown:

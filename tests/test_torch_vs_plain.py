@@ -131,3 +131,13 @@ def test_the_committed_h200_output_is_an_artifact_and_its_markdown_prints_its_ro
     for row in doc["rows"]:
         assert bench.row_table(row) in printed
         assert row["status"] == "ok" and row["check"]["ok"] and row["check"]["fp8_layers"]["ok"]
+
+
+def test_the_summary_of_outputs_names_the_timed_settings_none_of_them_has(bench, tiny_run, capsys):
+    doc, out = tiny_run
+    result = bench.main(["--tiny", "--summary", str(out), str(out)])
+    assert [(r["model"], r["setting"]) for r in result["rows"]] == [(r["model"], r["setting"]) for r in doc["rows"]]
+    ran = {f"{r['model']}/{r['setting']}" for r in doc["rows"]}
+    assert result["missing"] and not ran & set(result["missing"])
+    assert "fnet-base/w128" in result["missing"]
+    assert bench.summary_table(doc["rows"]) in capsys.readouterr().out

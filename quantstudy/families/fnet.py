@@ -170,10 +170,11 @@ class FNet:
             return REGIONS[region]
         if op_name in qt.GEMM_OPS:
             shapes = op["shapes"] if op else []
-            # the stacked [2S, S] matrix (or one [S, S] half, as an exported graph may split it)
-            square = window is not None and any(len(s) >= 2 and s[-2:] in ([2 * window, window], [window, window])
-                                                for s in shapes)
-            return "sequence-axis DFT" if square else "other GEMMs"
+            # the stacked [2S, S] matrix, in either order: a compiled GEMM may take it transposed.
+            # (The hidden-axis matrix is [2H, H], and FNet's windows are below its hidden size.)
+            sequence = window is not None and any(len(s) >= 2 and sorted(s[-2:]) == [window, 2 * window]
+                                                  for s in shapes)
+            return "sequence-axis DFT" if sequence else "other GEMMs"
         return "other" if device == "cpu" else qt.group_by_name(name, self.kernel_patterns)
 
     def transforms(self) -> dict[str, Any]:

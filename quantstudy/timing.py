@@ -247,7 +247,7 @@ def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], region
     kernels: dict[tuple[str, str], float] = defaultdict(float)
     kernel_counts: dict[tuple[str, str], int] = defaultdict(int)  # over all calls, like counts
     launched_by: dict[str, str] = {}
-    gemms: dict[tuple, list] = {}  # (op name, dims) -> [ms, ids of the op calls]
+    gemms: dict[tuple, list] = {}  # (op name, dims) -> [ms per call, ids of the op calls over all calls]
     for device, name, ms, op in _profiled(runner, calls):
         if name in regions:
             continue
@@ -275,7 +275,7 @@ def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], region
             "profiled": "forward, kernel by kernel (no graph replay)" if _on_cuda(runner) else "forward",
             "top_kernels": [{"group": g, "name": n, "ms": ms, "count": kernel_counts[(g, n)] / calls,
                              "op": launched_by.get(n)} for (g, n), ms in top],
-            "gemm_names": "op", "gemms": gemm_calls({k: (ms, len(ids)) for k, (ms, ids) in gemms.items()}, calls)}
+            "gemm_names": "op", "gemms": gemm_calls({k: (ms * calls, len(ids)) for k, (ms, ids) in gemms.items()}, calls)}
 
 
 def gemm_calls(gemms: dict[tuple, tuple[float, int]], calls: int) -> list[dict[str, Any]]:

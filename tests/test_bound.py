@@ -183,3 +183,36 @@ def test_gemm_timing_runs_what_each_backends_fp8_engine_runs(name, one_cpu_threa
             assert s["fp8_gemm"] == "torch._scaled_mm"
         if name == "onnxruntime":
             assert {"onnxruntime::QuantizeLinear", "onnxruntime::DequantizeLinear"} <= {r["name"] for r in s["fp8_ran"]}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_profiled_gemm_calls_are_per_forward_like_the_total(device):
+    """A forward that is one projection: its GEMM calls hold the whole profiled time, per forward
+    (ms and count), at any number of profiled calls; f read from them is 1."""
+    import torch
+
+    from quantstudy import timing
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+    class OneProjection:
+        def __init__(self):
+            self.device = torch.device(device)
+            self.layer = torch.nn.Linear(256, 512).to(self.device)
+            self.x = torch.randn(64, 256, device=self.device)
+
+        @torch.no_grad()
+        def replay(self):
+            self.layer(self.x)
+
+        def synchronize(self):
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+    for calls in (1, 4):
+        profile = timing.kernel_profile(OneProjection(), calls, lambda *a: "all", set())
+        assert [(e["dims"], e["count"]) for e in profile["gemms"]] == [([64, 256, 512], 1.0)], profile["gemms"]
+        assert profile["gemms"][0]["ms"] == pytest.approx(profile["total_ms"]), (calls, profile)
+        share = bound.recipe_share(profile, [{"layer": "layer", "dims": [64, 256, 512]}])
+        assert share["f"] == pytest.approx(1.0) and share["kind"] == "exact"

@@ -121,16 +121,30 @@ def test_budget_stops_cleanly_before_a_setting_and_keeps_the_issue_order(bench, 
     assert "not run: fnet-base/w128" in capsys.readouterr().out
 
 
-def test_the_committed_h200_output_is_an_artifact_and_its_markdown_prints_its_rows(bench):
-    """results/h200-torch-vs-plain/: the JSON is a valid artifact of the current schema, the markdown
-    beside it is what the script prints from those rows, and every row's outputs agree."""
-    out = ROOT / "results" / "h200-torch-vs-plain" / "torch_vs_plain.json"
+H200_OUTPUT = ROOT / "results" / "h200-torch-vs-plain"
+# The device calls after the fixes, in the order run (before/ is the first run, before them).
+H200_CALLS = [H200_OUTPUT / "torch_vs_plain.json", *sorted((H200_OUTPUT / "calls").glob("*/torch_vs_plain.json"))]
+
+
+@pytest.mark.parametrize("out", H200_CALLS, ids=[str(p.parent.relative_to(ROOT)) for p in H200_CALLS])
+def test_the_committed_h200_output_is_an_artifact_and_its_markdown_prints_its_rows(bench, out):
+    """results/h200-torch-vs-plain/: each call's JSON is a valid artifact of the current schema, the
+    markdown beside it is what the script prints from those rows, and every row's outputs agree."""
     doc = artifacts.read_json(out, "torch_vs_plain")
     printed = out.with_suffix(".md").read_text()
     assert bench.summary_table(doc["rows"]) in printed
     for row in doc["rows"]:
         assert bench.row_table(row) in printed
         assert row["status"] == "ok" and row["check"]["ok"] and row["check"]["fp8_layers"]["ok"]
+
+
+def test_the_committed_h200_summary_is_the_summary_of_its_calls(bench, capsys, monkeypatch):
+    """summary.md is what --summary prints over the calls' outputs (from the repository root), the
+    later call's row of a setting timed twice."""
+    monkeypatch.chdir(ROOT)
+    result = bench.main(["--summary", *[str(p.relative_to(ROOT)) for p in H200_CALLS]])
+    assert bench.summary_table(result["rows"]) in (H200_OUTPUT / "summary.md").read_text()
+    assert capsys.readouterr().out == (H200_OUTPUT / "summary.md").read_text()
 
 
 def test_the_summary_of_outputs_names_the_timed_settings_none_of_them_has(bench, tiny_run, capsys):

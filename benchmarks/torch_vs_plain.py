@@ -64,6 +64,7 @@ import torch  # noqa: E402
 import plain  # noqa: E402
 import plain.fp8  # noqa: E402
 from quantstudy import artifacts, config, quantization, steps, timing as qt  # noqa: E402
+from quantstudy import families as family_registry  # noqa: E402
 from quantstudy.backends import torch_backend  # noqa: E402
 
 log = logging.getLogger("torch_vs_plain")
@@ -400,18 +401,30 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]]) -> dict[str, Any]:
-    """Print the summary of the rows of several outputs (a setting in two of them: the later one's row)
-    and the planned settings that none of them has; return {"rows", "missing"}."""
+def uncovered(run: config.Run) -> dict[str, str]:
+    """Registered families the benchmark cannot cover on this run, and why."""
+    studied = {s.family for s in run.studies.values()}
+    return {f: ("no study in the run config, so no setting, recipe or calibration to build engines from"
+                if f not in studied else "no plain implementation (benchmarks/plain/)")
+            for f in family_registry.names() if f not in studied or f not in plain.FAMILIES}
+
+
+def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]], run: config.Run) -> dict[str, Any]:
+    """Print the summary of the rows of several outputs (a setting in two of them: the later one's row),
+    the planned settings that none of them has, and the registered families none can cover; return
+    {"rows", "missing", "uncovered"}."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for path in outputs:
         for row in artifacts.read_json(path, "torch_vs_plain")["rows"]:
             rows[(row["model"], row["setting"])] = row
     missing = [f"{m}/{st}" for _, m, st in planned if (m, st) not in rows]
+    families = uncovered(run)
     print(summary_table(list(rows.values())))
     print(f"From {', '.join(map(str, outputs))}. Timed settings of the config in none of them: "
           f"{', '.join(missing) or 'none'}.")
-    return {"rows": list(rows.values()), "missing": missing}
+    for family, why in families.items():
+        print(f"\nNot covered: {family}, a registered family: {why}.")
+    return {"rows": list(rows.values()), "missing": missing, "uncovered": families}
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -475,7 +488,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = args.config or ROOT / ("config/config.yaml" if args.tiny else "config/h200.yaml")
     run = config.load_run(yaml.safe_load(cfg.read_text()))
     if args.summary:
-        return summarize(args.summary, plan(run, args.families or list(plain.FAMILIES), args.settings))
+        return summarize(args.summary, plan(run, args.families or list(plain.FAMILIES), args.settings), run)
     families = args.families or [f for f in plain.FAMILIES if any(s.family == f for s in run.studies.values())]
     unknown = sorted(set(families) - set(plain.FAMILIES))
     if unknown:

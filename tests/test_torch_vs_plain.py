@@ -154,4 +154,8 @@ def test_the_summary_of_outputs_names_the_timed_settings_none_of_them_has(bench,
     ran = {f"{r['model']}/{r['setting']}" for r in doc["rows"]}
     assert result["missing"] and not ran & set(result["missing"])
     assert "fnet-base/w128" in result["missing"]
-    assert bench.summary_table(doc["rows"]) in capsys.readouterr().out
+    # Registered, with no study in config/config.yaml yet: named, not silently left out.
+    assert set(result["uncovered"]) == {"gpt_neo", "deformable_detr"}
+    printed = capsys.readouterr().out
+    assert "Not covered: gpt_neo, a registered family: no study in the run config" in printed
+    assert bench.summary_table(doc["rows"]) in printed

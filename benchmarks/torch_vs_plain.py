@@ -185,12 +185,13 @@ def check(outputs: dict[str, dict[str, torch.Tensor]], reference: dict[str, torc
 
 
 @torch.no_grad()
-def fp8_layers_agree(project: torch.nn.Module, plain_model: torch.nn.Module, inputs: dict[str, torch.Tensor]
-                     ) -> dict[str, Any]:
+def fp8_layers_agree(project: torch.nn.Module, plain_model: torch.nn.Module, inputs: dict[str, torch.Tensor],
+                     prefix: str = "") -> dict[str, Any]:
     """Each FP8 layer of the plain model on the input its project counterpart got in one eager
     forward of the project's engine, against that layer's output there. The same quantized weight,
     scales and GEMM give the same result; a plain model that quantized other layers, at other
-    scales or with another rounding fails here, where whole-model outputs could not tell."""
+    scales or with another rounding fails here, where whole-model outputs could not tell.
+    `prefix`: what the plain model's layer names have before the project's (plain.layer_prefix)."""
     calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
 
     def keep(name: str):
@@ -203,12 +204,8 @@ def fp8_layers_agree(project: torch.nn.Module, plain_model: torch.nn.Module, inp
     finally:
         for h in handles:
             h.remove()
-    # A plain model may hold the family's model one level down (plain XCiT: `xcit.blocks.0...`).
-    plain_layers = {}
-    for n, m in plain_model.named_modules():
-        if isinstance(m, plain.fp8.FP8Linear):
-            plain_layers[n] = m
-            plain_layers.setdefault(n.partition(".")[2], m)
+    plain_layers = {n.removeprefix(prefix): m for n, m in plain_model.named_modules()
+                    if isinstance(m, plain.fp8.FP8Linear) and n.startswith(prefix)}
     missing = sorted({n for n, _, _ in calls} - set(plain_layers))
     worst: dict[str, Any] = {"layer": None, "rel_l2": 0.0, "max_abs": 0.0}
     for name, x, y in calls:
@@ -283,7 +280,7 @@ def measure(study: config.Study, model: str, setting: str, target: dict[str, Any
         done(f"plain {v}: open (compile, capture)")
     outputs = {name: r(example) for name, r in runners.items()}
     layers = fp8_layers_agree(runners[f"project {candidate}"].eager, runners[f"plain {candidate}"].eager,
-                              runners[f"project {candidate}"].static_inputs)
+                              runners[f"project {candidate}"].static_inputs, plain.layer_prefix(family))
     result_check = check(outputs, fp32_outputs(family, snapshot, st, example, target["device"]), baseline, candidate,
                          layers)
     t = {**study.raw["timing"], **{k: v for k, v in (("warmup", args.warmup), ("rounds", args.rounds),

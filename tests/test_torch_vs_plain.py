@@ -108,6 +108,10 @@ def test_fp8_layers_agree_only_with_the_same_weights_and_scales(bench):
     assert not bench.fp8_layers_agree(project, plain_model(3.0, 1.01 * weight), {"x": x})["ok"]  # another weight
     unquantized = bench.fp8_layers_agree(project, _Wrap(torch.nn.Linear(64, 32)), {"x": x})
     assert not unquantized["ok"] and unquantized["missing_in_plain"] == ["layer"]
+    # A plain model one level down pairs its layers by the declared prefix, and only by it.
+    below = _Wrap(plain_model(3.0))  # its FP8 layer is `layer.layer`
+    assert bench.fp8_layers_agree(project, below, {"x": x}, prefix="layer.")["ok"]
+    assert bench.fp8_layers_agree(project, below, {"x": x})["missing_in_plain"] == ["layer"]
 
 
 def test_budget_stops_cleanly_before_a_setting_and_keeps_the_issue_order(bench, tmp_path, capsys):

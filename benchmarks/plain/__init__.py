@@ -11,7 +11,8 @@ modules, variant transforms or backend. Per family:
   the recipe keeps them out of FP8 (plain.deberta_v2).
 - timm_xcit: the timm Xcit model's forward (plain.timm_xcit).
 
-A plain model is built from what the project's build of the variant says it computes (build.json:
+Each module names the prefix its model puts before the project's layer names (LAYER_PREFIX), so
+that the FP8 layers can be paired one by one. A plain model is built from what the project's build of the variant says it computes (build.json:
 precision, transforms, FP8 layers with their amax, dequantize dtype, calls kept out of FP8); a
 transform the plain model does not implement is refused, not ignored.
 """
@@ -40,6 +41,12 @@ class Variant:
         amax = (doc.get("calibration") or {}).get("amax", {})
         return cls(doc["variant"], doc["spec"]["precision"], params, {n: amax[n] for n in doc["fp8_layers"]},
                    doc.get("dequantize_dtype"), doc.get("unquantized_calls", {}))
+
+
+def layer_prefix(family: str) -> str:
+    """What the plain model puts before the project's layer names (plain XCiT holds timm's model as
+    `xcit`: its `xcit.blocks.0.attn.qkv` is the project's `blocks.0.attn.qkv`)."""
+    return importlib.import_module(f"plain.{family}").LAYER_PREFIX
 
 
 def model(family: str, checkpoint: str, setting, build_doc: dict[str, Any], device: str):

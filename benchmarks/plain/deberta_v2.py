@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 EXTRA_TRANSFORMS: set[str] = set()
+LAYER_PREFIX = ""  # Encoder holds DebertaV2Model as `deberta`, as the project's graph module does
 POSITIONS = "relative_positions"  # the project's call site of query_proj / key_proj on the embeddings
 
 

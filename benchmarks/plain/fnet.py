@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 EXTRA_TRANSFORMS = {"hidden_scaling"}
+LAYER_PREFIX = ""  # Encoder holds FNetModel as `fnet`, as the project's graph module does
 
 
 def _cos_sin(n: int) -> tuple[torch.Tensor, torch.Tensor]:

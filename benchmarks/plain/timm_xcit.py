@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 EXTRA_TRANSFORMS: set[str] = set()
+LAYER_PREFIX = "xcit."  # the project's graph module holds timm's modules at its top level
 
 
 class Classifier(nn.Module):

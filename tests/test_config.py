@@ -52,6 +52,29 @@ def test_cluster_configs_load_once_their_revisions_are_locked(name, tmp_path, mo
         assert "python -m quantstudy.lock" in str(e.value)
 
 
+@pytest.mark.parametrize("call", sorted(p.name for p in (ROOT / "config/realsize/calls").glob("*.yaml")))
+def test_device_call_configs_load_over_the_h200_run(call, tmp_path, monkeypatch):
+    """A device call's config file, layered over config/h200.yaml as Snakemake layers a second
+    --configfile, gives a run that loads: a broken one would cost a device call to find out."""
+    from snakemake.utils import update_config
+
+    from quantstudy import lock
+
+    from conftest import stand_in_lock
+
+    run_doc = yaml.safe_load((ROOT / "config/h200.yaml").read_text())
+    layer = yaml.safe_load((ROOT / "config/realsize/calls" / call).read_text())
+    update_config(run_doc, layer)
+    monkeypatch.setattr(lock, "LOCK_FILE", tmp_path / "revisions.lock.yaml")
+    stand_in_lock(lock.LOCK_FILE, ["config/h200.yaml"])
+    run = qc.load_run(run_doc)
+    for name in layer["studies"]:
+        assert run.studies[name].model_settings(timed_only=True)
+    if call == "fnet-base-w128-repeats.yaml":
+        fnet = run.studies["fnet"]
+        assert list(fnet.model_settings(timed_only=True)) == [("fnet-base", "w128")] and fnet.repeats == 2
+
+
 def test_real_study_names_the_write_up_revisions():
     study = qc.load_study("config/studies/fnet.yaml")
     assert study.models["fnet-base"].revision == "d89b6fad3cf5384848b783dc480f9685f49d008c"

@@ -19,7 +19,8 @@ calibration on the first --calibration-samples of each calibration set, apply_va
 backend's build and Runner). Beside them, plain implementations of the same math
 (benchmarks/plain/, which says what plain means per family) with the same weights and the same
 amax, opened by the same Runner (torch.compile and CUDA-graph replay on a GPU; eager on the CPU).
-The four engines of a setting are timed together (quantstudy.timing.time_interleaved: interleaved
+A row per graph of the setting (one, main, but for GPT-Neo's prefill and decode). The four engines
+of a graph are timed together (quantstudy.timing.time_interleaved: interleaved
 rounds, the study's warm-up, rounds and calls, median), and their outputs on the setting's example
 input compared: project against plain, fp16 with fp16 and FP8 with FP8 (same scales), as the
 relative L2 difference ||project - plain|| / ||plain|| over the whole output (`check`). The fp16
@@ -221,9 +222,10 @@ def fp8_layers_agree(project: torch.nn.Module, plain_model: torch.nn.Module, inp
             "worst": worst, "tolerance_rel_l2": LAYER_TOLERANCE, "ok": ok}
 
 
-def fp32_outputs(family: str, snapshot: str, st, example: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+def fp32_outputs(family: str, snapshot: str, st, graph: str, example: dict[str, torch.Tensor], device: str
+                 ) -> dict[str, torch.Tensor]:
     """The fp32 graph module's outputs (eager, TF32 off): what fp16 rounding is measured against."""
-    module = steps._family(family).module(snapshot, "main", st).to(device).eval()
+    module = steps._family(family).module(snapshot, graph, st).to(device).eval()
     with torch.no_grad():
         out = module(**{k: v.to(device) for k, v in quantization.cast_inputs(example, "float32").items()})
     return {k: v.float().cpu() for k, v in out.items()}
@@ -237,8 +239,9 @@ def _free(device: str) -> None:
 
 
 def measure(study: config.Study, model: str, setting: str, target: dict[str, Any], inputs: Inputs,
-            args: argparse.Namespace) -> dict[str, Any]:
-    """Build, open, check, time (and profile) the project's and the plain baseline and candidate."""
+            args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Build the project's baseline and candidate, then per graph open, check, time (and profile)
+    them and the plain ones: a row per graph."""
     seconds: dict[str, float] = {}
     lap = time.perf_counter()
 
@@ -249,9 +252,6 @@ def measure(study: config.Study, model: str, setting: str, target: dict[str, Any
         _say(f"{model}/{setting}: {what} {seconds[what]} s")
 
     family, st, arch = study.family, study.setting(setting), study.models[model].architecture
-    if list(steps._family(family).graphs(st, arch)) != ["main"]:
-        raise NotImplementedError(f"{family} has graphs {list(steps._family(family).graphs(st, arch))}; the plain "
-                                  f"implementations are of one-graph families")
     baseline, candidate = study.baseline(setting), study.raw["candidate"]
     inputs.local_hub(study, model)
     ckpt = inputs.checkpoint(study, model)
@@ -268,29 +268,45 @@ def measure(study: config.Study, model: str, setting: str, target: dict[str, Any
             raise RuntimeError(f"the project's build of {v} failed:\n{builds[v]['error']}")
     done("project builds")
     snapshot = artifacts.read_json(ckpt, "checkpoint")["snapshot"]
-    example = steps._example_inputs(family, snapshot, "main", st, builds[baseline]["spec"]["precision"])
+    rows = []
+    for graph in steps._family(family).graphs(st, arch):
+        rows.append(measure_graph(study, model, setting, graph, target, snapshot, str(ckpt), builds, args, done))
+        rows[-1]["seconds"] = dict(seconds)
+        seconds.clear()
+    return rows
+
+
+def measure_graph(study: config.Study, model: str, setting: str, graph: str, target: dict[str, Any], snapshot: str,
+                  ckpt: str, builds: dict[str, dict[str, Any]], args: argparse.Namespace, done) -> dict[str, Any]:
+    """One graph of the built baseline and candidate against the plain ones: open, check, time, profile."""
+    family, st = study.family, study.setting(setting)
+    baseline, candidate = study.baseline(setting), study.raw["candidate"]
+    on = "" if graph == "main" else f" {graph}"  # in the step names of a family with several graphs
+    example = steps._example_inputs(family, snapshot, graph, st, builds[baseline]["spec"]["precision"])
     runners, fp8_layers = {}, {}
     for v in (baseline, candidate):
-        runners[f"project {v}"] = steps._runners(family, builds[v], study.recipe, str(ckpt), st, target)["main"]
-        done(f"project {v}: open (compile, capture)")
-        module = plain.model(family, snapshot, st, builds[v], target["device"])
+        runners[f"project {v}"] = steps._runners(family, builds[v], study.recipe, ckpt, st, target, [graph])[graph]
+        done(f"project {v}{on}: open (compile, capture)")
+        module = plain.model(family, snapshot, st, builds[v], target["device"], graph)
         fp8_layers[v] = {"project": len(builds[v]["fp8_layers"]),
                          "plain": sum(isinstance(m, plain.fp8.FP8Linear) for m in module.modules())}
-        runners[f"plain {v}"] = torch_backend.Runner(module, example, target["device"], target.get("compile", False))
-        done(f"plain {v}: open (compile, capture)")
+        # Inputs of its own: a plain graph may write into them (plain GPT-Neo's decode, its caches).
+        runners[f"plain {v}"] = torch_backend.Runner(module, {k: t.clone() for k, t in example.items()},
+                                                     target["device"], target.get("compile", False))
+        done(f"plain {v}{on}: open (compile, capture)")
     outputs = {name: r(example) for name, r in runners.items()}
     layers = fp8_layers_agree(runners[f"project {candidate}"].eager, runners[f"plain {candidate}"].eager,
                               runners[f"project {candidate}"].static_inputs, plain.layer_prefix(family))
-    result_check = check(outputs, fp32_outputs(family, snapshot, st, example, target["device"]), baseline, candidate,
-                         layers)
+    result_check = check(outputs, fp32_outputs(family, snapshot, st, graph, example, target["device"]), baseline,
+                         candidate, layers)
     t = {**study.raw["timing"], **{k: v for k, v in (("warmup", args.warmup), ("rounds", args.rounds),
                                                      ("calls_per_round", args.calls)) if v is not None}}
     with qt.device_lock(target["device"]):
         timed = qt.time_interleaved(runners, t["warmup"], t["rounds"], t["calls_per_round"])
         fp8 = {impl: qt.fp8_proof(runners[f"{impl} {candidate}"]) for impl in ("project", "plain")}
-    done("check and timing")
+    done(f"check and timing{on}")
     row: dict[str, Any] = {
-        "study": study.name, "family": family, "model": model, "setting": setting, "batch": st.batch,
+        "study": study.name, "family": family, "model": model, "setting": setting, "graph": graph, "batch": st.batch,
         "shape": dict(st.shape), "baseline": baseline, "candidate": candidate, "status": "ok", "timing": t,
         "ms": {name: r["median_ms"] for name, r in timed.items()}, "engines": timed,
         # project / plain per variant, with its range over the paired rounds
@@ -310,8 +326,7 @@ def measure(study: config.Study, model: str, setting: str, target: dict[str, Any
         with qt.device_lock(target["device"]):
             row["profile"] = {name: qt.kernel_profile(r, args.profile_calls, classify, regions)
                               for name, r in runners.items()}
-        done("profiles")
-    row["seconds"] = seconds
+        done(f"profiles{on}")
     del runners, outputs
     return row
 
@@ -330,12 +345,18 @@ def _rel(d: dict[str, Any]) -> str:
     return f"non-finite ({d['nonfinite']})" if d["rel_l2"] is None else f"{d['rel_l2']:.2e}"
 
 
+def _where(row: dict[str, Any]) -> str:
+    """The row's setting, and its graph where the family has several (GPT-Neo: prefill, decode)."""
+    graph = row.get("graph", "main")
+    return row["setting"] if graph == "main" else f"{row['setting']} {graph}"
+
+
 def _shape(row: dict[str, Any]) -> str:
     return ", ".join([f"batch {row['batch']}"] + [f"{k} {v}" for k, v in row["shape"].items()])
 
 
 def row_table(row: dict[str, Any]) -> str:
-    head = f"### {row['family']}: {row['model']} {row['setting']} ({_shape(row)})\n"
+    head = f"### {row['family']}: {row['model']} {_where(row)} ({_shape(row)})\n"
     if row["status"] != "ok":
         return head + f"\n{row['status']}: {row['error'].strip().splitlines()[-1]}\n"
     b, c, chk = row["baseline"], row["candidate"], row["check"]
@@ -388,10 +409,10 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
              "ratio | x project | x plain | outputs |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['family']} | {r['model']} | {r['setting']} | {r['status']} |" + " |" * 8)
+            lines.append(f"| {r['family']} | {r['model']} | {_where(r)} | {r['status']} |" + " |" * 8)
             continue
         b, c = r["baseline"], r["candidate"]
-        lines.append(f"| {r['family']} | {r['model']} | {r['setting']} | {_ms(r['ms'][f'project {b}'])} | "
+        lines.append(f"| {r['family']} | {r['model']} | {_where(r)} | {_ms(r['ms'][f'project {b}'])} | "
                      f"{_ms(r['ms'][f'plain {b}'])} | {r['ratio'][b]['x']:.3f} | {_ms(r['ms'][f'project {c}'])} | "
                      f"{_ms(r['ms'][f'plain {c}'])} | {r['ratio'][c]['x']:.3f} | {r['x']['project']['x']:.3f} | "
                      f"{r['x']['plain']['x']:.3f} | {'ok' if r['check']['ok'] else 'DIFFER'} |")
@@ -410,11 +431,11 @@ def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]],
     """Print the summary of the rows of several outputs (a setting in two of them: the later one's row),
     the planned settings that none of them has, and the registered families none can cover; return
     {"rows", "missing", "uncovered"}."""
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     for path in outputs:
         for row in artifacts.read_json(path, "torch_vs_plain")["rows"]:
-            rows[(row["model"], row["setting"])] = row
-    missing = [f"{m}/{st}" for _, m, st in planned if (m, st) not in rows]
+            rows[(row["model"], row["setting"], row.get("graph", "main"))] = row
+    missing = [f"{m}/{st}" for _, m, st in planned if (m, st) not in {key[:2] for key in rows}]
     families = uncovered(run)
     print(summary_table(list(rows.values())))
     print(f"From {', '.join(map(str, outputs))}. Timed settings of the config in none of them: "
@@ -514,17 +535,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             break
         row_started = time.perf_counter()
         try:
-            row = measure(study, model, setting, target, inputs, args)
+            rows = measure(study, model, setting, target, inputs, args)
         except Exception:
-            row = {"study": study.name, "family": study.family, "model": model, "setting": setting,
-                   "batch": study.setting(setting).batch, "shape": dict(study.setting(setting).shape),
-                   "status": "failed", "error": traceback.format_exc()}
-            _say(f"{model}/{setting} failed:\n{row['error']}")
+            rows = [{"study": study.name, "family": study.family, "model": model, "setting": setting,
+                     "batch": study.setting(setting).batch, "shape": dict(study.setting(setting).shape),
+                     "status": "failed", "error": traceback.format_exc()}]
+            _say(f"{model}/{setting} failed:\n{rows[0]['error']}")
         _free(target["device"])
-        row["wall_s"] = round(time.perf_counter() - row_started, 2)
-        longest = max(longest, row["wall_s"])
-        doc["rows"].append(row)
-        print(row_table(row), flush=True)
+        wall = round(time.perf_counter() - row_started, 2)
+        longest = max(longest, wall)
+        for row in rows:
+            row["wall_s"] = wall  # the setting's, all its graphs
+            doc["rows"].append(row)
+            print(row_table(row), flush=True)
         write(args.out, doc, started, params)  # after every setting: a run cut short keeps what it measured
     doc["wall_s"] = round(time.perf_counter() - t0, 2)
     print(summary_table(doc["rows"]), flush=True)

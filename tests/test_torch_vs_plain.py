@@ -163,3 +163,55 @@ def test_the_summary_of_outputs_names_the_timed_settings_none_of_them_has(bench,
     printed = capsys.readouterr().out
     assert "Not covered: gpt_neo, a registered family: no study in the run config" in printed
     assert bench.summary_table(doc["rows"]) in printed
+
+
+def test_plain_gpt_neo_computes_the_project_prefill_and_decode(bench, tmp_path):
+    """Plain GPT-Neo (Transformers' forward over its StaticCache) against the project's prefill and
+    decode graphs, fp16 and FP8, on a tiny model whose local window spans the cache: the outputs pass
+    the benchmark's check (FP8 layers one by one), the decode writes the new token into the cache it
+    was given, and a cache longer than the window (where Transformers masks local layers wrongly) is
+    refused."""
+    import plain
+    import plain.gpt_neo
+
+    from quantstudy import config, families, quantization
+    from quantstudy.families import base
+
+    from conftest import observed_amax
+
+    fam = families.get("gpt_neo")
+    arch = {**config.load_architecture("tiny-gpt-neo-125m"), "window_size": 16}
+    for name, data in fam.tiny_checkpoint_files(arch, {"seed": 0}).items():
+        (tmp_path / name).write_bytes(data)
+    st = base.Setting("p12-c16", 1, {"prefill": 12, "cache": 16})
+    recipe = {"quantize": [f"transformer.h.*.{p}" for p in ("attn.attention.q_proj", "attn.attention.k_proj",
+                                                             "attn.attention.v_proj", "mlp.c_fc", "mlp.c_proj")],
+              "dequantize_dtype": "float16"}
+    amax = observed_amax(fam.module(tmp_path, "prefill", st), [fam.example_inputs(tmp_path, "prefill", st)])
+    specs = {"fp16": {"precision": "float16", "transforms": []},
+             "fp8": {"precision": "float16", "transforms": [{"fp8": {}}]}}
+    for graph in ("prefill", "decode"):
+        example = quantization.cast_inputs(fam.example_inputs(tmp_path, graph, st), "float16")
+        outputs, engines = {}, {}
+        for v, spec in specs.items():
+            project, summary = quantization.apply_variant(fam.module(tmp_path, graph, st), spec, recipe, amax)
+            variant = plain.Variant(v, "float16", {}, {n: amax["amax"][n] for n in summary["fp8_layers"]}, "float16", {})
+            engines[v] = plain.gpt_neo.model(tmp_path, st, variant, "cpu", graph)
+            given = {k: t.clone() for k, t in example.items()}
+            with torch.no_grad():
+                outputs[f"project {v}"], outputs[f"plain {v}"] = project(**example), engines[v](**given)
+            if graph == "decode":  # the plain decode's caches are the buffers it was given, written in place
+                assert outputs[f"plain {v}"]["present_key_0"].data_ptr() == given["past_key_0"].data_ptr()
+                torch.testing.assert_close(outputs[f"plain {v}"]["present_key_0"], outputs[f"project {v}"]["present_key_0"])
+            engines[f"project {v}"] = project
+        layers = bench.fp8_layers_agree(engines["project fp8"], engines["fp8"], example, plain.layer_prefix("gpt_neo"))
+        result = bench.check(outputs, bench.fp32_outputs("gpt_neo", str(tmp_path), st, graph, example, "cpu"),
+                             "fp16", "fp8", layers)
+        assert result["ok"], result
+        assert layers["layers"] == 2 * 5 and not layers["missing_in_plain"]
+    narrow = tmp_path / "narrow"
+    narrow.mkdir()
+    for name, data in fam.tiny_checkpoint_files(config.load_architecture("tiny-gpt-neo-125m"), {"seed": 0}).items():
+        (narrow / name).write_bytes(data)
+    with pytest.raises(ValueError, match="longer than the local window 8"):
+        plain.gpt_neo.model(narrow, st, plain.Variant("fp16", "float16", {}, {}, "float16", {}), "cpu", "decode")

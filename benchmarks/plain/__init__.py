@@ -10,6 +10,8 @@ modules, variant transforms or backend. Per family:
 - deberta_v2: DebertaV2Model's forward as Transformers writes it; positional products in fp16 where
   the recipe keeps them out of FP8 (plain.deberta_v2).
 - timm_xcit: the timm Xcit model's forward (plain.timm_xcit).
+- gpt_neo: GPTNeoForCausalLM's forward over Transformers' StaticCache, prefill and decode
+  (plain.gpt_neo, which says where that is exact).
 
 Each module names the prefix its model puts before the project's layer names (LAYER_PREFIX), so
 that the FP8 layers can be paired one by one. A plain model is built from what the project's build of the variant says it computes (build.json:
@@ -23,7 +25,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-FAMILIES = ("fnet", "deberta_v2", "timm_xcit")
+FAMILIES = ("fnet", "deberta_v2", "timm_xcit", "gpt_neo")
 
 
 @dataclass(frozen=True)
@@ -49,16 +51,18 @@ def layer_prefix(family: str) -> str:
     return importlib.import_module(f"plain.{family}").LAYER_PREFIX
 
 
-def model(family: str, checkpoint: str, setting, build_doc: dict[str, Any], device: str):
-    """The plain fp16 model of the variant that `build_doc` (a project build.json) describes:
-    forward(**inputs) -> {output: tensor}, the project graph's inputs and outputs."""
+def model(family: str, checkpoint: str, setting, build_doc: dict[str, Any], device: str, graph: str = "main"):
+    """The plain fp16 model of one graph of the variant that `build_doc` (a project build.json)
+    describes: forward(**inputs) -> {output: tensor}, the project graph's inputs and outputs."""
     if family not in FAMILIES:
         raise KeyError(f"no plain implementation of {family!r}; there are {', '.join(FAMILIES)}")
     impl = importlib.import_module(f"plain.{family}")
+    if graph not in impl.GRAPHS:
+        raise KeyError(f"the plain {family} model has graphs {', '.join(impl.GRAPHS)}, not {graph!r}")
     variant = Variant.of_build(build_doc)
     if variant.precision != "float16":
         raise ValueError(f"{variant.name}: the plain models are fp16 engines, not {variant.precision}")
     unknown = sorted(set(variant.params) - {"fp8"} - impl.EXTRA_TRANSFORMS)
     if unknown:
         raise ValueError(f"{variant.name}: the plain {family} model does not implement {', '.join(unknown)}")
-    return impl.model(checkpoint, setting, variant, device)
+    return impl.model(checkpoint, setting, variant, device, graph)

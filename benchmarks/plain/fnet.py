@@ -70,7 +70,10 @@ class Encoder(nn.Module):
         return {"features": self.fnet(input_ids=input_ids).last_hidden_state}
 
 
-def model(checkpoint, setting, variant, device) -> nn.Module:
+GRAPHS = ("main",)
+
+
+def model(checkpoint, setting, variant, device, graph: str) -> nn.Module:
     from quantstudy import families
 
     from plain.fp8 import to_fp16_with_fp8_layers

@@ -20,7 +20,10 @@ class Classifier(nn.Module):
         return {"logits": self.xcit(pixel_values)}
 
 
-def model(checkpoint, setting, variant, device) -> nn.Module:
+GRAPHS = ("main",)
+
+
+def model(checkpoint, setting, variant, device, graph: str) -> nn.Module:
     from quantstudy import families
 
     from plain.fp8 import to_fp16_with_fp8_layers

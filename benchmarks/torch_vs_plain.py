@@ -72,8 +72,10 @@ log = logging.getLogger("torch_vs_plain")
 
 # The issue's rows first: a budget that runs out leaves the least important ones out.
 PRIORITY = ["fnet-base/w128", "fnet-base/w256", "fnet-base/w512", "deberta-v3-base/w256", "xcit-nano/b1",
-            "xcit-tiny/b1", "deberta-v3-base/w128", "deberta-v3-base/w512", "xcit-nano/b32", "xcit-tiny/b32",
+            "xcit-tiny/b1", "gpt-neo-125m/p256-c256", "deberta-v3-base/w128", "deberta-v3-base/w512", "xcit-nano/b32", "xcit-tiny/b32",
             "deberta-v3-base/b32-w256", "deberta-v3-large/w256", "fnet-base/b8-w512"]
+
+
 def _say(msg: str, started: float = time.perf_counter()) -> None:
     print(f"[{time.perf_counter() - started:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
@@ -419,9 +421,14 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def timed_studies(run: config.Run) -> list[config.Study]:
+    """The run's studies and engine studies (those whose engines are all that is written yet)."""
+    return [*run.studies.values(), *run.engine_studies.values()]
+
+
 def uncovered(run: config.Run) -> dict[str, str]:
     """Registered families the benchmark cannot cover on this run, and why."""
-    studied = {s.family for s in run.studies.values()}
+    studied = {s.family for s in timed_studies(run)}
     return {f: ("no study in the run config, so no setting, recipe or calibration to build engines from"
                 if f not in studied else "no plain implementation (benchmarks/plain/)")
             for f in family_registry.names() if f not in studied or f not in plain.FAMILIES}
@@ -449,7 +456,7 @@ def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]],
 
 def plan(run: config.Run, families: list[str] | None, patterns: list[str] | None) -> list[tuple[config.Study, str, str]]:
     """(study, model, setting) of every timed setting the filters keep, PRIORITY first."""
-    rows = [(s, m, st) for s in run.studies.values() if families is None or s.family in families
+    rows = [(s, m, st) for s in timed_studies(run) if families is None or s.family in families
             for m, st in s.model_settings(timed_only=True) if patterns is None
             or any(fnmatch.fnmatchcase(f"{m}/{st}", p) for p in patterns)]
     rank = {key: i for i, key in enumerate(PRIORITY)}
@@ -507,7 +514,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     run = config.load_run(yaml.safe_load(cfg.read_text()))
     if args.summary:
         return summarize(args.summary, plan(run, args.families or list(plain.FAMILIES), args.settings), run)
-    families = args.families or [f for f in plain.FAMILIES if any(s.family == f for s in run.studies.values())]
+    families = args.families or [f for f in plain.FAMILIES if any(s.family == f for s in timed_studies(run))]
     unknown = sorted(set(families) - set(plain.FAMILIES))
     if unknown:
         raise SystemExit(f"no plain implementation of {', '.join(unknown)}; there are {', '.join(plain.FAMILIES)}")

@@ -186,6 +186,9 @@ class Run:
     offline: bool
     studies: dict[str, Study]
     targets: dict[str, Target]
+    # Studies whose engines can be built and timed while the rest of the study is not written
+    # (its family's `unwritten`): the workflow runs none of their jobs.
+    engine_studies: dict[str, Study] = field(default_factory=dict)
 
 
 def _load_yaml(path: Path) -> Any:
@@ -276,12 +279,13 @@ def _path(p: str | Path) -> Path:
 
 
 def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, against_code: bool = True,
-               timing_repeats: int | None = None) -> Study:
+               timing_repeats: int | None = None, engines_only: bool = False) -> Study:
     """A study spec with its override files deep-merged over it in order, validated; `timing_repeats`
     (the run's) in place of its `timing.repeats`.
 
     `against_code` also checks the names it gives the code (family, transforms, the layers its
-    recipe patterns match), which imports torch and builds each model on the meta device."""
+    recipe patterns match), which imports torch and builds each model on the meta device, and that
+    the family's study is written (`engines_only`: only its engines are asked for)."""
     doc = merged_study_doc(spec_path, overrides)
     where = " + ".join(str(p) for p in [spec_path, *_override_list(overrides)])
     if timing_repeats is not None:
@@ -289,7 +293,7 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
     _validate(doc, "study.schema.yaml", where)
     # One timing job per variant unless asked; int: the schema's integer also admits 2.0.
     doc["timing"]["repeats"] = int(doc["timing"].get("repeats", 1))
-    study = _build_study(_locked(doc, where), where, against_code)
+    study = _build_study(_locked(doc, where), where, against_code, engines_only)
     if study.published:
         # Against the spec as well as this run's doc: a tiny run's overrides may leave out a model
         # the write-up measured, whose numbers are then listed as not reproduced here.
@@ -356,7 +360,7 @@ def _locked(doc: dict[str, Any], where: str) -> dict[str, Any]:
     return doc
 
 
-def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
+def _build_study(doc: dict[str, Any], where: str, against_code: bool, engines_only: bool = False) -> Study:
     problems: list[str] = []
     settings = {n: Setting(n, s["batch"], shape_of(s), s.get("quality", True)) for n, s in doc["settings"].items()}
     models = {}
@@ -429,11 +433,11 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
                         "is the study's main quality metric, which the speed-vs-quality plot draws")
 
     if against_code and problems:  # the layers only once the rest is sound (a model may be missing)
-        problems += _problems_against_code(doc, models, variants, settings, match_layers=False)
+        problems += _problems_against_code(doc, models, variants, settings, False, engines_only)
     elif against_code:
-        passed = CODE_CHECKS / _code_check_key(doc, models)
+        passed = CODE_CHECKS / _code_check_key(doc, models, engines_only)
         if not passed.exists():
-            problems += _problems_against_code(doc, models, variants, settings, match_layers=True)
+            problems += _problems_against_code(doc, models, variants, settings, True, engines_only)
             if not problems:
                 passed.parent.mkdir(parents=True, exist_ok=True)
                 passed.touch()
@@ -567,10 +571,12 @@ def _calibration_setting(doc: dict[str, Any], model: str, setting: str, settings
     return None
 
 
-def _code_check_key(doc: dict[str, Any], models: dict[str, Model]) -> str:
-    """What the checks against the code depend on: the study, its architectures, this package's
-    source and the model libraries' versions. A no-op rerun then need not import torch."""
-    h = hashlib.sha256(json.dumps([doc, {n: m.architecture for n, m in models.items()}], sort_keys=True).encode())
+def _code_check_key(doc: dict[str, Any], models: dict[str, Model], engines_only: bool) -> str:
+    """What the checks against the code depend on: the study, its architectures, whether only its
+    engines are asked for, this package's source and the model libraries' versions. A no-op rerun
+    then need not import torch."""
+    h = hashlib.sha256(json.dumps([doc, {n: m.architecture for n, m in models.items()}, engines_only],
+                                  sort_keys=True).encode())
     for path in sorted((ROOT / "quantstudy").rglob("*.py")):
         h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
     for package in ("torch", "transformers", "timm", "nvidia-modelopt"):
@@ -582,14 +588,17 @@ def _code_check_key(doc: dict[str, Any], models: dict[str, Model]) -> str:
 
 
 def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], variants: dict[str, Variant],
-                           settings: dict[str, Setting], match_layers: bool) -> list[str]:
-    """The names a study gives the code: its family, its settings' shapes, its transforms, the
-    layers its patterns match."""
+                           settings: dict[str, Setting], match_layers: bool, engines_only: bool) -> list[str]:
+    """The names a study gives the code: its family (and, unless `engines_only`, that its study is
+    written), its settings' shapes, its transforms, the layers its patterns match."""
     from quantstudy import families, quantization  # deferred: these import torch
 
     if doc["family"] not in families.names():
         return [f"unknown family {doc['family']!r}; registered families: {', '.join(families.names())}"]
     family = families.get(doc["family"])
+    if family.unwritten and not engines_only:
+        return [f"the {doc['family']} study cannot run: {family.unwritten} are not written yet. A run config "
+                f"lists it under engine_studies, whose engines benchmarks/torch_vs_plain.py builds and times"]
     known = quantization.transform_names(family.transforms())
     problems = [f"variant {v.name!r} names unknown transform {t!r}; known transforms: {', '.join(sorted(known))}"
                 for v in variants.values() for t, _ in v.transforms if t not in known]
@@ -614,16 +623,22 @@ def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], varian
 def load_run(config: dict[str, Any], against_code: bool = True) -> Run:
     """Validate a run config (the dict Snakemake read) and everything it names."""
     _validate(config, "config.schema.yaml", "workflow config")
-    studies = {}
-    for name, entry in config["studies"].items():
-        study = load_study(entry["spec"], entry.get("overrides"), against_code, config.get("timing_repeats"))
-        if study.name != name:
-            raise ConfigError(f"config names study {name!r} but {entry['spec']} is study {study.name!r}")
-        unknown = sorted(set(study.targets) - set(config["targets"]))
-        if unknown:
-            raise ConfigError(f"study {name!r} names targets {unknown} that the run does not define; "
-                              f"run targets: {', '.join(config['targets'])}")
-        studies[name] = study
+    both = sorted(set(config["studies"]) & set(config.get("engine_studies") or {}))
+    if both:
+        raise ConfigError(f"{', '.join(both)}: listed under both studies and engine_studies")
+    loaded: dict[str, dict[str, Study]] = {"studies": {}, "engine_studies": {}}
+    for key, studies in loaded.items():
+        for name, entry in (config.get(key) or {}).items():
+            study = load_study(entry["spec"], entry.get("overrides"), against_code, config.get("timing_repeats"),
+                               engines_only=key == "engine_studies")
+            if study.name != name:
+                raise ConfigError(f"config names study {name!r} but {entry['spec']} is study {study.name!r}")
+            unknown = sorted(set(study.targets) - set(config["targets"]))
+            if unknown:
+                raise ConfigError(f"study {name!r} names targets {unknown} that the run does not define; "
+                                  f"run targets: {', '.join(config['targets'])}")
+            studies[name] = study
     targets = {n: Target(n, **t) for n, t in config["targets"].items()}
     r = config["run"]
-    return Run(r["name"], r["weights"], config["hf_cache"], config.get("offline", False), studies, targets)
+    return Run(r["name"], r["weights"], config["hf_cache"], config.get("offline", False), loaded["studies"], targets,
+               loaded["engine_studies"])

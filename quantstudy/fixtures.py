@@ -100,6 +100,24 @@ def nli_pairs(count: int, seed: int, vocab: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def chat_rows(count: int, seed: int, vocab: list[str]) -> list[dict[str, Any]]:
+    """Chat rows in Nemotron-Post-Training-Dataset-v1's layout: `messages`, a user turn (a passage)
+    and an assistant reply."""
+    texts = passages(2 * count, seed, vocab)
+    return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q, a in zip(texts[::2], texts[1::2])]
+
+
+def multiple_choice(count: int, seed: int, vocab: list[str]) -> list[dict[str, Any]]:
+    """Questions in ARC's layout: `question`, four `choices` {text, label A-D}, `answerKey`."""
+    rng = random.Random(seed)
+    content = vocab[2:]
+    labels = ["A", "B", "C", "D"]
+    return [{"id": f"q{i}", "question": " ".join(_sentence(rng, content)),
+             "choices": {"text": [" ".join(_sentence(rng, content)[:rng.randint(1, 6)]) for _ in labels], "label": labels},
+             "answerKey": rng.choice(labels)} for i in range(count)]
+
+
 def dataset_files(files: dict[str, str], tiny: dict[str, Any], vocab_size: int) -> dict[str, bytes]:
     """One file per split, at the path the split's pattern names (a glob's * becomes 00000-of-00001)."""
     vocab = words(vocab_size - len(SPECIAL_TOKENS))
@@ -110,6 +128,10 @@ def dataset_files(files: dict[str, str], tiny: dict[str, Any], vocab_size: int) 
             frame = pd.DataFrame({"text": passages(tiny.get("rows", 200), seed, vocab)})
         elif tiny["kind"] == "nli_pairs":
             frame = pd.DataFrame(nli_pairs(tiny.get("rows", 80), seed, vocab))
+        elif tiny["kind"] == "chat_prompts":
+            frame = pd.DataFrame(chat_rows(tiny.get("rows", 80), seed, vocab))
+        elif tiny["kind"] == "multiple_choice":
+            frame = pd.DataFrame(multiple_choice(tiny.get("rows", 80), seed, vocab))
         else:
             frame = pd.DataFrame(sentence_pairs(tiny.get("rows", 80), seed, vocab))
         path = pattern.replace("*", "-00000-of-00001")

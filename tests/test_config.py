@@ -52,6 +52,22 @@ def test_cluster_configs_load_once_their_revisions_are_locked(name, tmp_path, mo
         assert "python -m quantstudy.lock" in str(e.value)
 
 
+def test_a_study_whose_family_is_not_all_written_runs_only_as_an_engine_study():
+    """GPT-Neo's engines are written, its quality steps not (GPTNeo.unwritten): the embedded default
+    lists it under engine_studies, which the workflow does not run; under studies it stops the run
+    before any job, saying what is missing and where it belongs."""
+    doc = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    run = qc.load_run(doc)
+    assert "gpt_neo" in run.engine_studies and "gpt_neo" not in run.studies
+    assert run.engine_studies["gpt_neo"].model_settings(timed_only=True)
+    as_study = {**doc, "studies": {**doc["studies"], "gpt_neo": doc["engine_studies"]["gpt_neo"]}}
+    with pytest.raises(qc.ConfigError, match="the gpt_neo study cannot run: its quality steps") as e:
+        qc.load_run({k: v for k, v in as_study.items() if k != "engine_studies"})
+    assert "engine_studies" in str(e.value)
+    with pytest.raises(qc.ConfigError, match="gpt_neo: listed under both studies and engine_studies"):
+        qc.load_run(as_study)
+
+
 @pytest.mark.parametrize("call", sorted(p.name for p in (ROOT / "config/realsize/calls").glob("*.yaml")))
 def test_device_call_configs_load_over_the_h200_run(call, tmp_path, monkeypatch):
     """A device call's config file, layered over config/h200.yaml as Snakemake layers a second
@@ -129,8 +145,9 @@ def test_a_cluster_job_step_reads_the_config_without_torch(tmp_path):
                            capture_output=True, text=True).stdout.split()
             for load in ("job step", "full", "full")]
     assert seen == [["False", "False"], ["True", "True"], ["False", "False"]]
-    studies = yaml.safe_load((ROOT / "config/config.yaml").read_text())["studies"]
-    assert len(list(tmp_path.iterdir())) == len(studies)  # one recorded check per study
+    run = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    # one recorded check per study and engine study
+    assert len(list(tmp_path.iterdir())) == len(run["studies"]) + len(run.get("engine_studies") or {})
 
 
 def test_a_recorded_check_covers_only_its_own_config(tmp_path, monkeypatch):

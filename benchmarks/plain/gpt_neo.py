@@ -22,9 +22,24 @@ EXTRA_TRANSFORMS: set[str] = set()
 LAYER_PREFIX = "lm."  # the GPTNeoForCausalLM is `lm`; the project's graph module holds its children
 
 
-def _presents(cache) -> dict[str, torch.Tensor]:
-    return {f"present_{kind}_{i}": getattr(layer, f"{kind}s") for i, layer in enumerate(cache.layers)
-            for kind in ("key", "value")}
+def _static_cache(lm: nn.Module, cache: int, buffers: list[tuple[torch.Tensor, torch.Tensor]], start: torch.Tensor):
+    """Transformers' StaticCache over the given (keys, values) buffers of each layer, writing from
+    position `start`: what StaticLayer's lazy initialization would set up, without its CPU counter
+    (a host-to-device copy, which a CUDA graph cannot capture)."""
+    from transformers import StaticCache
+
+    static = StaticCache(config=lm.config, max_cache_len=cache)
+    for layer, (keys, values) in zip(static.layers, buffers, strict=True):
+        layer.keys, layer.values = keys, values
+        layer.dtype, layer.device = keys.dtype, keys.device
+        layer.cumulative_length = start.clone()  # update adds to it in place
+        layer.is_initialized = True
+    return static
+
+
+def _outputs(logits: torch.Tensor, static) -> dict[str, torch.Tensor]:
+    return {"logits": logits, **{f"present_{kind}_{i}": getattr(layer, f"{kind}s") for i, layer in
+                                 enumerate(static.layers) for kind in ("key", "value")}}
 
 
 class Prefill(nn.Module):
@@ -33,27 +48,21 @@ class Prefill(nn.Module):
         self.lm, self.cache = lm, cache
 
     def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        from transformers import StaticCache
-
-        cache = StaticCache(config=self.lm.config, max_cache_len=self.cache)
-        logits = self.lm(input_ids=input_ids, past_key_values=cache, use_cache=True).logits
-        return {"logits": logits, **_presents(cache)}
+        cfg = self.lm.config
+        shape = (input_ids.shape[0], cfg.num_heads, self.cache, cfg.hidden_size // cfg.num_heads)
+        zeros = lambda: torch.zeros(shape, dtype=self.lm.dtype, device=input_ids.device)
+        static = _static_cache(self.lm, self.cache, [(zeros(), zeros()) for _ in range(cfg.num_layers)],
+                               torch.zeros((), dtype=torch.int64, device=input_ids.device))
+        return _outputs(self.lm(input_ids=input_ids, past_key_values=static, use_cache=True).logits, static)
 
 
 class Decode(Prefill):
     def forward(self, input_ids: torch.Tensor, position: torch.Tensor, **past: torch.Tensor) -> dict[str, torch.Tensor]:
-        from transformers import StaticCache
-
-        cache = StaticCache(config=self.lm.config, max_cache_len=self.cache)
-        for i, layer in enumerate(cache.layers):
-            # The past buffers as the cache's own (what StaticLayer's lazy initialization would allocate).
-            layer.keys, layer.values = past[f"past_key_{i}"], past[f"past_value_{i}"]
-            layer.dtype, layer.device = layer.keys.dtype, layer.keys.device
-            layer.cumulative_length = position[0].clone()  # where update writes; it adds to it in place
-            layer.is_initialized = True
-        logits = self.lm(input_ids=input_ids, past_key_values=cache, position_ids=position[:, None],
+        buffers = [(past[f"past_key_{i}"], past[f"past_value_{i}"]) for i in range(self.lm.config.num_layers)]
+        static = _static_cache(self.lm, self.cache, buffers, position[0])
+        logits = self.lm(input_ids=input_ids, past_key_values=static, position_ids=position[:, None],
                          use_cache=True).logits
-        return {"logits": logits, **_presents(cache)}
+        return _outputs(logits, static)
 
 
 GRAPHS = {"prefill": Prefill, "decode": Decode}

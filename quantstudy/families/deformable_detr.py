@@ -157,6 +157,7 @@ class DeformableDetr:
 
     kernel_groups = KERNEL_GROUPS
     regions = REGIONS
+    unwritten = "its data (COCO images and boxes) and quality steps (reference and evaluate: COCO AP)"
 
     # --- configuration and loading -------------------------------------------------------
     @staticmethod

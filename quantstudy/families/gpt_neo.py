@@ -188,6 +188,8 @@ class GPTNeo:
 
     kernel_groups = KERNEL_GROUPS
     regions = REGIONS
+    unwritten = ("its quality steps (reference and evaluate: next-token KL and top-1 agreement against "
+                 "PyTorch bf16, WikiText-2 perplexity, ARC-Easy) and their data")
     # GPU kernels that no recognised op launched (compiled or fused code), by name.
     kernel_patterns = [("FP8 projection GEMMs", r"(e4m3|fp8|f8f8)"),
                        ("attention", r"(fmha|flash|attention|softmax)"),
@@ -349,7 +351,14 @@ class GPTNeo:
 
     def tiny_dataset_files(self, files: dict[str, str], tiny: dict[str, Any],
                            architecture: dict[str, Any]) -> dict[str, bytes]:
-        raise NotImplementedError(UNIMPLEMENTED)
+        """Generated data over the tiny tokenizer's pseudo-words: chat rows (kind `chat_prompts`,
+        Nemotron's layout), passages (WikiText's) or questions (`multiple_choice`, ARC's)."""
+        from quantstudy import fixtures
+
+        if tiny["kind"] not in ("chat_prompts", "passages", "multiple_choice"):
+            raise ValueError(f"a tiny GPT-Neo dataset holds chat_prompts, passages or multiple_choice, "
+                             f"not {tiny['kind']!r}")
+        return fixtures.dataset_files(files, tiny, architecture["vocab_size"])
 
     # --- measurements --------------------------------------------------------------------
     def reference(self, checkpoint, samples, setting, metrics, seeds, device, dtype):

@@ -220,3 +220,42 @@ def test_plain_gpt_neo_computes_the_project_prefill_and_decode(bench, tmp_path):
         (narrow / name).write_bytes(data)
     with pytest.raises(ValueError, match="longer than the local window 8"):
         plain.gpt_neo.model(narrow, st, plain.Variant("fp16", "float16", {}, {}, "float16", {}), "cpu", "decode")
+
+
+def test_plain_deformable_detr_computes_the_project_engine(bench, tmp_path):
+    """Plain Deformable DETR (Transformers' forward as it is) against the project's detector engine,
+    fp16 and FP8, on the tiny model: the outputs pass the benchmark's check, the recipe's layers
+    agree one by one."""
+    import plain
+    import plain.deformable_detr
+
+    from quantstudy import config, families, quantization
+    from quantstudy.families import base
+
+    from conftest import observed_amax
+
+    fam = families.get("deformable_detr")
+    for name, data in fam.tiny_checkpoint_files(config.load_architecture("tiny-deformable-detr"), {"seed": 0}).items():
+        (tmp_path / name).write_bytes(data)
+    st = base.Setting("96x128", 1, {"height": 96, "width": 128})
+    recipe = {"quantize": ["model.encoder.layers.*.self_attn.value_proj", "model.encoder.layers.*.self_attn.output_proj",
+                           "model.encoder.layers.*.mlp.fc?", "model.decoder.layers.*.self_attn.?_proj",
+                           "model.decoder.layers.*.encoder_attn.value_proj",
+                           "model.decoder.layers.*.encoder_attn.output_proj", "model.decoder.layers.*.mlp.fc?"],
+              "dequantize_dtype": "float16"}
+    example = fam.example_inputs(tmp_path, "main", st)
+    amax = observed_amax(fam.module(tmp_path, "main", st), [example])
+    example = quantization.cast_inputs(example, "float16")
+    outputs, models = {}, {}
+    for v, spec in {"fp16": {"precision": "float16", "transforms": []},
+                    "fp8": {"precision": "float16", "transforms": [{"fp8": {}}]}}.items():
+        models[f"project {v}"], summary = quantization.apply_variant(fam.module(tmp_path, "main", st), spec, recipe, amax)
+        variant = plain.Variant(v, "float16", {}, {n: amax["amax"][n] for n in summary["fp8_layers"]}, "float16", {})
+        models[f"plain {v}"] = plain.deformable_detr.model(tmp_path, st, variant, "cpu", "main")
+        with torch.no_grad():
+            outputs[f"project {v}"], outputs[f"plain {v}"] = models[f"project {v}"](**example), models[f"plain {v}"](**example)
+    layers = bench.fp8_layers_agree(models["project fp8"], models["plain fp8"], example, plain.layer_prefix("deformable_detr"))
+    result = bench.check(outputs, bench.fp32_outputs("deformable_detr", str(tmp_path), st, "main", example, "cpu"),
+                         "fp16", "fp8", layers)
+    assert result["ok"], result
+    assert layers["layers"] == len(summary["fp8_layers"]) > 0 and not layers["missing_in_plain"]

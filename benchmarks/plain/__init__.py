@@ -12,6 +12,7 @@ modules, variant transforms or backend. Per family:
 - timm_xcit: the timm Xcit model's forward (plain.timm_xcit).
 - gpt_neo: GPTNeoForCausalLM's forward over Transformers' StaticCache, prefill and decode
   (plain.gpt_neo, which says where that is exact).
+- deformable_detr: DeformableDetrForObjectDetection's forward as it is (plain.deformable_detr).
 
 Each module names the prefix its model puts before the project's layer names (LAYER_PREFIX), so
 that the FP8 layers can be paired one by one. A plain model is built from what the project's build of the variant says it computes (build.json:
@@ -25,7 +26,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-FAMILIES = ("fnet", "deberta_v2", "timm_xcit", "gpt_neo")
+FAMILIES = ("fnet", "deberta_v2", "timm_xcit", "gpt_neo", "deformable_detr")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from quantstudy.artifacts import atomic_write
 from quantstudy.families.base import Setting
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,6 +110,9 @@ class Study:
     # target -> {"settings": [...], "variants": [...]} (a missing key: all); empty: every target, all of it
     targets: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     published: str | None = None  # config/published/<study>.yaml, checked against the study when loaded
+    # What of the family's study is not written yet (Family.unwritten; None: nothing, or not checked
+    # against the code): its quality jobs refuse to be planned.
+    unwritten: str | None = None
 
     @property
     def recipe(self) -> dict[str, Any]:
@@ -279,13 +283,13 @@ def _path(p: str | Path) -> Path:
 
 
 def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, against_code: bool = True,
-               timing_repeats: int | None = None, engines_only: bool = False) -> Study:
+               timing_repeats: int | None = None) -> Study:
     """A study spec with its override files deep-merged over it in order, validated; `timing_repeats`
     (the run's) in place of its `timing.repeats`.
 
     `against_code` also checks the names it gives the code (family, transforms, the layers its
-    recipe patterns match), which imports torch and builds each model on the meta device, and that
-    the family's study is written (`engines_only`: only its engines are asked for)."""
+    recipe patterns match), which imports torch and builds each model on the meta device, and
+    records what of the family's study is not written yet (Study.unwritten)."""
     doc = merged_study_doc(spec_path, overrides)
     where = " + ".join(str(p) for p in [spec_path, *_override_list(overrides)])
     if timing_repeats is not None:
@@ -293,7 +297,7 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
     _validate(doc, "study.schema.yaml", where)
     # One timing job per variant unless asked; int: the schema's integer also admits 2.0.
     doc["timing"]["repeats"] = int(doc["timing"].get("repeats", 1))
-    study = _build_study(_locked(doc, where), where, against_code, engines_only)
+    study = _build_study(_locked(doc, where), where, against_code)
     if study.published:
         # Against the spec as well as this run's doc: a tiny run's overrides may leave out a model
         # the write-up measured, whose numbers are then listed as not reproduced here.
@@ -360,7 +364,7 @@ def _locked(doc: dict[str, Any], where: str) -> dict[str, Any]:
     return doc
 
 
-def _build_study(doc: dict[str, Any], where: str, against_code: bool, engines_only: bool = False) -> Study:
+def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
     problems: list[str] = []
     settings = {n: Setting(n, s["batch"], shape_of(s), s.get("quality", True)) for n, s in doc["settings"].items()}
     models = {}
@@ -432,19 +436,25 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool, engines_on
         problems.append("decision has no per-row quality condition (table: quality, reduce: min or max): its column "
                         "is the study's main quality metric, which the speed-vs-quality plot draws")
 
+    unwritten = None
     if against_code and problems:  # the layers only once the rest is sound (a model may be missing)
-        problems += _problems_against_code(doc, models, variants, settings, False, engines_only)
+        problems += _problems_against_code(doc, models, variants, settings, match_layers=False)
     elif against_code:
-        passed = CODE_CHECKS / _code_check_key(doc, models, engines_only)
-        if not passed.exists():
-            problems += _problems_against_code(doc, models, variants, settings, True, engines_only)
+        passed = CODE_CHECKS / _code_check_key(doc, models)
+        if passed.exists():
+            unwritten = json.loads(passed.read_text())["unwritten"]
+        else:
+            problems += _problems_against_code(doc, models, variants, settings, match_layers=True)
             if not problems:
+                from quantstudy import families
+
+                unwritten = families.get(doc["family"]).unwritten
                 passed.parent.mkdir(parents=True, exist_ok=True)
-                passed.touch()
+                atomic_write(passed, json.dumps({"unwritten": unwritten}))  # a marker read back whole
     if problems:
         raise ConfigError(f"invalid study ({where}):\n" + "\n".join(f"  {p}" for p in problems))
     return Study(doc["study"], doc["family"], models, settings, datasets, variants, doc,
-                 {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()}, doc.get("published"))
+                 {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()}, doc.get("published"), unwritten)
 
 
 def _names(value: str | list[str] | None) -> list[str]:
@@ -571,12 +581,10 @@ def _calibration_setting(doc: dict[str, Any], model: str, setting: str, settings
     return None
 
 
-def _code_check_key(doc: dict[str, Any], models: dict[str, Model], engines_only: bool) -> str:
-    """What the checks against the code depend on: the study, its architectures, whether only its
-    engines are asked for, this package's source and the model libraries' versions. A no-op rerun
-    then need not import torch."""
-    h = hashlib.sha256(json.dumps([doc, {n: m.architecture for n, m in models.items()}, engines_only],
-                                  sort_keys=True).encode())
+def _code_check_key(doc: dict[str, Any], models: dict[str, Model]) -> str:
+    """What the checks against the code depend on: the study, its architectures, this package's
+    source and the model libraries' versions. A no-op rerun then need not import torch."""
+    h = hashlib.sha256(json.dumps([doc, {n: m.architecture for n, m in models.items()}], sort_keys=True).encode())
     for path in sorted((ROOT / "quantstudy").rglob("*.py")):
         h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
     for package in ("torch", "transformers", "timm", "nvidia-modelopt"):
@@ -588,17 +596,14 @@ def _code_check_key(doc: dict[str, Any], models: dict[str, Model], engines_only:
 
 
 def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], variants: dict[str, Variant],
-                           settings: dict[str, Setting], match_layers: bool, engines_only: bool) -> list[str]:
-    """The names a study gives the code: its family (and, unless `engines_only`, that its study is
-    written), its settings' shapes, its transforms, the layers its patterns match."""
+                           settings: dict[str, Setting], match_layers: bool) -> list[str]:
+    """The names a study gives the code: its family, its settings' shapes, its transforms, the
+    layers its patterns match."""
     from quantstudy import families, quantization  # deferred: these import torch
 
     if doc["family"] not in families.names():
         return [f"unknown family {doc['family']!r}; registered families: {', '.join(families.names())}"]
     family = families.get(doc["family"])
-    if family.unwritten and not engines_only:
-        return [f"the {doc['family']} study cannot run: {family.unwritten} are not written yet. A run config "
-                f"lists it under engine_studies, whose engines benchmarks/torch_vs_plain.py builds and times"]
     known = quantization.transform_names(family.transforms())
     problems = [f"variant {v.name!r} names unknown transform {t!r}; known transforms: {', '.join(sorted(known))}"
                 for v in variants.values() for t, _ in v.transforms if t not in known]
@@ -629,8 +634,7 @@ def load_run(config: dict[str, Any], against_code: bool = True) -> Run:
     loaded: dict[str, dict[str, Study]] = {"studies": {}, "engine_studies": {}}
     for key, studies in loaded.items():
         for name, entry in (config.get(key) or {}).items():
-            study = load_study(entry["spec"], entry.get("overrides"), against_code, config.get("timing_repeats"),
-                               engines_only=key == "engine_studies")
+            study = load_study(entry["spec"], entry.get("overrides"), against_code, config.get("timing_repeats"))
             if study.name != name:
                 raise ConfigError(f"config names study {name!r} but {entry['spec']} is study {study.name!r}")
             unknown = sorted(set(study.targets) - set(config["targets"]))

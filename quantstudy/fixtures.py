@@ -118,6 +118,13 @@ def multiple_choice(count: int, seed: int, vocab: list[str]) -> list[dict[str, A
              "answerKey": rng.choice(labels)} for i in range(count)]
 
 
+def split_file(pattern: str) -> str:
+    """The one file a generated split is, at the path its pattern names (a glob's * becomes
+    -00000-of-00001; parquet unless the pattern names a suffix)."""
+    path = pattern.replace("*", "-00000-of-00001")
+    return path if "." in path.rsplit("/", 1)[-1] else path + ".parquet"
+
+
 def dataset_files(files: dict[str, str], tiny: dict[str, Any], vocab_size: int) -> dict[str, bytes]:
     """One file per split, at the path the split's pattern names (a glob's * becomes 00000-of-00001)."""
     vocab = words(vocab_size - len(SPECIAL_TOKENS))
@@ -134,8 +141,7 @@ def dataset_files(files: dict[str, str], tiny: dict[str, Any], vocab_size: int) 
             frame = pd.DataFrame(multiple_choice(tiny.get("rows", 80), seed, vocab))
         else:
             frame = pd.DataFrame(sentence_pairs(tiny.get("rows", 80), seed, vocab))
-        path = pattern.replace("*", "-00000-of-00001")
-        path = path if "." in path.rsplit("/", 1)[-1] else path + ".parquet"
+        path = split_file(pattern)
         buf = io.BytesIO()
         if path.endswith(".csv"):
             frame.to_csv(buf, index=False)
@@ -143,3 +149,38 @@ def dataset_files(files: dict[str, str], tiny: dict[str, Any], vocab_size: int) 
             frame.to_parquet(buf, index=False)
         out[path] = buf.getvalue()
     return out
+
+
+# Photographs that scikit-image ships (skimage.data, no download): the tiny image datasets' images.
+PHOTOS = ["astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "retina", "immunohistochemistry",
+          "stereo_motorcycle", "camera", "coins", "moon", "grass", "gravel", "brick"]
+
+
+def photo(name: str):
+    """A scikit-image sample photograph as an RGB PIL image."""
+    import numpy as np
+    import skimage.data
+    from PIL import Image
+
+    pixels = getattr(skimage.data, name)()
+    pixels = pixels[0] if isinstance(pixels, tuple) else pixels  # stereo_motorcycle: (left, right, disparity)
+    return Image.fromarray(np.asarray(pixels, dtype=np.uint8)).convert("RGB")
+
+
+def jittered(photo, rng: random.Random, short_side: tuple[int, int] = (160, 320)):
+    """A seeded random crop (35% to 100% of the area, aspect 3:4 to 4:3), maybe mirrored, resized
+    to a shorter side in `short_side` (default 160 to 320 px): different views of one photograph,
+    of ImageNet-like sizes."""
+    from PIL import Image
+
+    w, h = photo.size
+    area = rng.uniform(0.35, 1.0) * w * h
+    aspect = rng.uniform(3 / 4, 4 / 3)
+    cw, ch = min(w, round((area * aspect) ** 0.5)), min(h, round((area / aspect) ** 0.5))
+    left, top = rng.randint(0, w - cw), rng.randint(0, h - ch)
+    view = photo.crop((left, top, left + cw, top + ch))
+    if rng.random() < 0.5:
+        view = view.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    short = rng.randint(*short_side)
+    scale = short / min(cw, ch)
+    return view.resize((max(1, round(cw * scale)), max(1, round(ch * scale))), Image.Resampling.BICUBIC)

@@ -3,6 +3,8 @@ its dynamic-size ONNX (fp16, FP8 Q/DQ) in ONNX Runtime and onnx's ReferenceEvalu
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -14,7 +16,7 @@ from torch import nn
 
 from quantstudy import config, export, families, quantization
 from quantstudy.families import base
-from quantstudy.families.deformable_detr import SIZE_MAX, SIZE_MIN, DetectorEngine
+from quantstudy.families.deformable_detr import SIZE_MAX, SIZE_MIN, DetectorEngine, load_images
 
 from conftest import observed_amax
 
@@ -140,12 +142,27 @@ def test_engine_equals_transformers_reference(fam, checkpoint):
             torch.testing.assert_close(got[name], getattr(want, name), rtol=1e-5, atol=1e-6)
 
 
-def test_calibration_batches_use_the_processor_resize(fam, checkpoint):
+def _png(pixels: np.ndarray) -> bytes:
     from PIL import Image
 
-    grey = np.full((480, 640, 3), 128, dtype=np.uint8)  # 4:3, as a COCO image
-    portrait = Image.fromarray(np.random.default_rng(0).integers(0, 256, (640, 480, 3), dtype=np.uint8))
-    samples = [{"id": "a", "image": grey, "sha256": "0" * 64}, {"id": "b", "image": portrait, "sha256": "1" * 64}]
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_calibration_batches_use_the_processor_resize(fam, checkpoint, tmp_path):
+    """Images read from the samples' parquet rows, each through the processor's own resize."""
+    import hashlib
+
+    import pandas as pd
+
+    grey = _png(np.full((480, 640, 3), 128, dtype=np.uint8))  # 4:3, as a COCO image
+    portrait = _png(np.random.default_rng(0).integers(0, 256, (640, 480, 3), dtype=np.uint8))
+    pd.DataFrame({"image_id": [7, 9], "image": [{"bytes": b, "path": f"{i}.png"} for i, b in enumerate([grey, portrait])]}
+                 ).to_parquet(tmp_path / "val.parquet")
+    samples = [{"id": i, "sha256": hashlib.sha256(b).hexdigest(), "file": str(tmp_path / "val.parquet"), "row": row}
+               for row, (i, b) in enumerate([(7, grey), (9, portrait)])]
+    assert fam.content_sha256(samples) == [s["sha256"] for s in samples]
     batches = fam.calibration_batches(checkpoint, samples, SETTINGS[0])
     assert [list(b) for b in batches] == [["pixel_values"], ["pixel_values"]]
     assert [tuple(b["pixel_values"].shape) for b in batches] == [(1, 3, 96, 128), (1, 3, 128, 96)]
@@ -154,6 +171,26 @@ def test_calibration_batches_use_the_processor_resize(fam, checkpoint):
     torch.testing.assert_close(batches[0]["pixel_values"][0, :, 40, 50], (128 / 255 - mean) / std)
     again = fam.calibration_batches(checkpoint, samples, SETTINGS[1])
     assert all(torch.equal(a["pixel_values"], b["pixel_values"]) for a, b in zip(batches, again))
+    with pytest.raises(ValueError, match="does not have the sample's sha256"):
+        fam.calibration_batches(checkpoint, [{**samples[0], "row": 1}], SETTINGS[0])
+
+
+def test_tiny_dataset_is_coco_layout_parquet_and_draws_disjoint_image_sets(fam, checkpoint, tmp_path):
+    """The generated split reads as detection-datasets/coco's columns; seeded sets at disjoint
+    offsets share no image, and each sample's sha256 is that of its image in the file."""
+    from quantstudy import steps
+
+    files = fam.tiny_dataset_files({"val": "data/val-*.parquet"}, {"kind": "images", "seed": 0, "rows": 12, "short_side": [60, 80]}, TINY)
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    rows = steps._load_split(tmp_path, "data/val-*.parquet")
+    assert {"image_id", "image", "width", "height", "objects", "__url__", "__index__"} <= set(rows.column_names)
+    calibration = fam.draw_samples(rows, {"kind": "images", "count": 5, "seed": 0, "offset": 0}, None)
+    heldout = fam.draw_samples(rows, {"kind": "images", "count": 5, "seed": 0, "offset": 5}, None)
+    assert len(calibration) == len(heldout) == 5 and not {s["id"] for s in calibration} & {s["id"] for s in heldout}
+    assert fam.content_sha256(calibration + heldout) == [s["sha256"] for s in calibration + heldout]
+    assert all(min(image.size) >= 60 for image in load_images(calibration))
 
 
 def test_example_inputs_are_deterministic(fam, checkpoint):

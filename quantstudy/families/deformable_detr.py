@@ -29,7 +29,10 @@ GridSample (opset 16+), which ONNX Runtime CPU runs. The legacy exporter is not 
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import random
 import re
 import tempfile
 from pathlib import Path
@@ -157,7 +160,7 @@ class DeformableDetr:
 
     kernel_groups = KERNEL_GROUPS
     regions = REGIONS
-    unwritten = "its data (COCO images and boxes) and quality steps (reference and evaluate: COCO AP)"
+    unwritten = "its quality steps (reference and evaluate: COCO AP and agreement against PyTorch fp32)"
 
     # --- configuration and loading -------------------------------------------------------
     @staticmethod
@@ -230,7 +233,8 @@ class DeformableDetr:
         from transformers import DeformableDetrForObjectDetection
 
         torch.manual_seed(tiny["seed"])
-        cfg = self.hf_config(architecture)
+        # Random weights throughout: a timm backbone's pretrained weights would be a download.
+        cfg = self.hf_config({**architecture, "use_pretrained_backbone": False})
         model = DeformableDetrForObjectDetection(cfg).eval()
         with torch.no_grad():
             for name, module in model.named_modules():
@@ -249,25 +253,71 @@ class DeformableDetr:
 
     def tiny_dataset_files(self, files: dict[str, str], tiny: dict[str, Any],
                            architecture: dict[str, Any]) -> dict[str, bytes]:
-        raise NotImplementedError(NOT_YET)
+        """One parquet file per split in detection-datasets/coco's layout (image_id; image {bytes: a
+        JPEG, path}; width; height; objects {bbox_id, category, bbox [x, y, w, h], area}) of seeded
+        views of scikit-image's photographs (quantstudy.fixtures), each with one box, its whole
+        frame, of category photo index + 1. `short_side: [lo, hi]` sizes the views (default COCO's
+        480 to 640 px)."""
+        import pandas as pd
+
+        from quantstudy import fixtures
+
+        if tiny["kind"] != "images":
+            raise ValueError(f"a tiny Deformable DETR dataset holds images, not {tiny['kind']!r}")
+        photos = [fixtures.photo(name) for name in fixtures.PHOTOS]
+        short_side = tuple(tiny.get("short_side", (480, 640)))
+        out = {}
+        for s, (split, pattern) in enumerate(sorted(files.items())):
+            rng, rows = random.Random(tiny["seed"] * 1000 + s), []
+            for i in range(tiny.get("rows", 40)):
+                p = rng.randrange(len(photos))
+                view, buf = fixtures.jittered(photos[p], rng, short_side), io.BytesIO()
+                view.save(buf, format="JPEG", quality=90)
+                w, h = view.size
+                rows.append({"image_id": i, "image": {"bytes": buf.getvalue(), "path": f"{i:012d}.jpg"}, "width": w,
+                             "height": h, "objects": {"bbox_id": [i], "category": [p + 1],
+                                                      "bbox": [[0.0, 0.0, float(w), float(h)]], "area": [float(w * h)]}})
+            buf = io.BytesIO()
+            pd.DataFrame(rows).to_parquet(buf, index=False)
+            out[fixtures.split_file(pattern)] = buf.getvalue()
+        return out
 
     # --- samples and inputs --------------------------------------------------------------
-    def draw_samples(self, rows: Any, spec: dict[str, Any], processor: Any) -> list[dict[str, Any]]:
-        raise NotImplementedError(NOT_YET)
+    @staticmethod
+    def draw_samples(rows: Any, spec: dict[str, Any], processor: Any) -> list[dict[str, Any]]:
+        """Images of a split (parquet rows with their `__url__` and `__index__`), in a seeded order.
 
-    def content_sha256(self, samples: list[dict[str, Any]]) -> list[str]:
-        raise NotImplementedError(NOT_YET)
+        kind images: every row in one order shuffled with `seed`, then rows [offset, offset + count)
+        of it: sets of one seed and non-overlapping offsets are disjoint (calibration, held out).
+        A sample: {"id": the image_id, "sha256": of the image bytes, "file": the parquet file in the
+        pinned snapshot, "row": the image's row in it}.
+        """
+        from datasets import Image
+
+        if spec["kind"] != "images":
+            raise ValueError(f"deformable_detr draws images, not {spec['kind']!r}")
+        order = list(range(len(rows)))
+        random.Random(spec.get("seed", 0)).shuffle(order)
+        offset = spec.get("offset", 0)
+        rows = rows.cast_column("image", Image(decode=False))  # the bytes as stored: the content hash
+        return [{"id": int(row["image_id"]), "sha256": _sha(row["image"]["bytes"]), "file": row["__url__"],
+                 "row": int(row["__index__"])} for row in (rows[i] for i in order[offset:offset + spec["count"]])]
+
+    @staticmethod
+    def content_sha256(samples: list[dict[str, Any]]) -> list[str]:
+        return [_sha(data) for data in _image_bytes(samples)]
 
     def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
                             setting: base.Setting) -> list[dict[str, torch.Tensor]]:
-        """One batch per image ({"id", "image": HxWx3 uint8 array or PIL image, "sha256"}).
+        """One batch per image (read from the sample's file and checked against its sha256).
 
         Each image keeps the checkpoint processor's own resize (shortest edge 800, longest
         1333 at real size), as the write-up calibrated the Transformers model: the amax file
         does not depend on the setting, and every size's engine shares it.
         """
         processor = self.processor(checkpoint)
-        return [{"pixel_values": processor(images=s["image"], return_tensors="pt")["pixel_values"]} for s in samples]
+        return [{"pixel_values": processor(images=image, return_tensors="pt")["pixel_values"]}
+                for image in load_images(samples)]
 
     @staticmethod
     def graphs(setting: base.Setting, architecture: dict[str, Any]) -> dict[str, base.Graph]:
@@ -319,6 +369,34 @@ class DeformableDetr:
     @staticmethod
     def transforms() -> dict:
         return {}
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _image_bytes(samples: list[dict[str, Any]]) -> list[bytes]:
+    """Each sample's image bytes as stored in its parquet file (each file's image column read once)."""
+    import pyarrow.parquet as pq
+
+    columns: dict[str, Any] = {}
+    for s in samples:
+        if s["file"] not in columns:
+            columns[s["file"]] = pq.read_table(s["file"], columns=["image"]).column("image")
+    return [columns[s["file"]][s["row"]].as_py()["bytes"] for s in samples]
+
+
+def load_images(samples: list[dict[str, Any]]) -> list:
+    """The samples' images (RGB PIL), read from their files and checked against their sha256."""
+    from PIL import Image
+
+    images = []
+    for s, data in zip(samples, _image_bytes(samples)):
+        if _sha(data) != s["sha256"]:
+            raise ValueError(f"deformable_detr: image {s['id']} (row {s['row']} of {s['file']}) does not have the "
+                             f"sample's sha256 {s['sha256']}: the snapshot is not the one the samples were drawn from")
+        images.append(Image.open(io.BytesIO(data)).convert("RGB"))
+    return images
 
 
 def transformers_backbone(timm_config: Any) -> dict[str, Any]:

@@ -66,11 +66,6 @@ CALIBRATION_BATCH = 16  # images per calibration forward; max calibration does n
 EVAL_CHUNK = 64  # images decoded and run at a time: 1,500 images at 224 px are 900 MB as pixels
 CONV_OPS = re.compile(r"conv(\dd|olution|_depthwise)")  # aten::conv2d, aten::mkldnn_convolution, ...
 
-# Photographs that scikit-image ships (skimage.data, no download): the tiny dataset's images.
-PHOTOS = ["astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "retina", "immunohistochemistry",
-          "stereo_motorcycle", "camera", "coins", "moon", "grass", "gravel", "brick"]
-
-
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -142,36 +137,6 @@ def _create(cfg: dict[str, Any]) -> nn.Module:
 
     return timm.create_model(cfg["architecture"], pretrained=False, num_classes=cfg["num_classes"],
                              global_pool=cfg.get("global_pool", "token"), **cfg.get("model_args", {}))
-
-
-def _jittered(photo, rng: random.Random, short_side: tuple[int, int] = (160, 320)):
-    """A seeded random crop (35% to 100% of the area, aspect 3:4 to 4:3), maybe mirrored, resized
-    to a shorter side in `short_side` (default 160 to 320 px): different views of one photograph,
-    of ImageNet-like sizes."""
-    from PIL import Image
-
-    w, h = photo.size
-    area = rng.uniform(0.35, 1.0) * w * h
-    aspect = rng.uniform(3 / 4, 4 / 3)
-    cw, ch = min(w, round((area * aspect) ** 0.5)), min(h, round((area / aspect) ** 0.5))
-    left, top = rng.randint(0, w - cw), rng.randint(0, h - ch)
-    view = photo.crop((left, top, left + cw, top + ch))
-    if rng.random() < 0.5:
-        view = view.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    short = rng.randint(*short_side)
-    scale = short / min(cw, ch)
-    return view.resize((max(1, round(cw * scale)), max(1, round(ch * scale))), Image.Resampling.BICUBIC)
-
-
-def _photo(name: str):
-    """A scikit-image sample photograph as an RGB PIL image."""
-    import numpy as np
-    import skimage.data
-    from PIL import Image
-
-    pixels = getattr(skimage.data, name)()
-    pixels = pixels[0] if isinstance(pixels, tuple) else pixels  # stereo_motorcycle: (left, right, disparity)
-    return Image.fromarray(np.asarray(pixels, dtype=np.uint8)).convert("RGB")
 
 
 def _tar(members: dict[str, bytes]) -> bytes:
@@ -458,10 +423,12 @@ class TimmXcit:
         `short_side: [lo, hi]` makes the views smaller than ImageNet's 160 to 320 px (a dataset of
         thousands of rows that must stay a few MiB); the eval transform resizes them to 224 anyway.
         """
+        from quantstudy import fixtures
+
         rows, shards = tiny.get("rows", 40), tiny.get("shards", 2)
         short_side = tuple(tiny.get("short_side", (160, 320)))
         classes = architecture["num_classes"]
-        photos = [_photo(name) for name in PHOTOS]
+        photos = [fixtures.photo(name) for name in fixtures.PHOTOS]
         out, key = {}, 0
         for s, (split, pattern) in enumerate(sorted(files.items())):
             rng = random.Random(tiny["seed"] * 1000 + s)
@@ -471,7 +438,7 @@ class TimmXcit:
                 for _ in range(min(per_shard, rows - shard * per_shard)):
                     p = rng.randrange(len(photos))
                     buf = io.BytesIO()
-                    _jittered(photos[p], rng, short_side).save(buf, format="WEBP", quality=90)
+                    fixtures.jittered(photos[p], rng, short_side).save(buf, format="WEBP", quality=90)
                     members[f"s{key:07d}.webp"] = buf.getvalue()
                     members[f"s{key:07d}.cls"] = str(p % classes).encode()
                     key += 1

@@ -113,9 +113,13 @@ def multiple_choice(count: int, seed: int, vocab: list[str]) -> list[dict[str, A
     rng = random.Random(seed)
     content = vocab[2:]
     labels = ["A", "B", "C", "D"]
-    return [{"id": f"q{i}", "question": " ".join(_sentence(rng, content)),
-             "choices": {"text": [" ".join(_sentence(rng, content)[:rng.randint(1, 6)]) for _ in labels], "label": labels},
-             "answerKey": rng.choice(labels)} for i in range(count)]
+    rows = []
+    for i in range(count):
+        question = " ".join(_sentence(rng, content))
+        choices = [" ".join(_sentence(rng, content)[:rng.randint(1, 6)]) for _ in labels]
+        rows.append({"id": f"q{i}", "question": question, "choices": {"text": choices, "label": labels},
+                     "answerKey": rng.choice(labels)})
+    return rows
 
 
 def split_file(pattern: str) -> str:

@@ -156,8 +156,8 @@ def _load_split(snapshot: Path, pattern: str):
         # Each row with its file and its place there, as a WebDataset row comes with its shard
         # (__url__): a sample of large content (an image) can point at it in the pinned snapshot.
         parts = [datasets.load_dataset(builder, data_files=[p], split="train") for p in paths]
-        return datasets.concatenate_datasets([d.add_column("__url__", [p] * len(d)).add_column("__index__", list(range(len(d))))
-                                              for p, d in zip(paths, parts)])
+        return datasets.concatenate_datasets([d.add_column("__url__", [p] * len(d)).add_column(
+            "__index__", list(range(len(d)))) for p, d in zip(paths, parts)])
     return datasets.load_dataset(builder, data_files=paths, split="train")
 
 

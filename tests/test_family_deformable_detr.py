@@ -158,8 +158,8 @@ def test_calibration_batches_use_the_processor_resize(fam, checkpoint, tmp_path)
 
     grey = _png(np.full((480, 640, 3), 128, dtype=np.uint8))  # 4:3, as a COCO image
     portrait = _png(np.random.default_rng(0).integers(0, 256, (640, 480, 3), dtype=np.uint8))
-    pd.DataFrame({"image_id": [7, 9], "image": [{"bytes": b, "path": f"{i}.png"} for i, b in enumerate([grey, portrait])]}
-                 ).to_parquet(tmp_path / "val.parquet")
+    images = [{"bytes": b, "path": f"{i}.png"} for i, b in enumerate([grey, portrait])]
+    pd.DataFrame({"image_id": [7, 9], "image": images}).to_parquet(tmp_path / "val.parquet")
     samples = [{"id": i, "sha256": hashlib.sha256(b).hexdigest(), "file": str(tmp_path / "val.parquet"), "row": row}
                for row, (i, b) in enumerate([(7, grey), (9, portrait)])]
     assert fam.content_sha256(samples) == [s["sha256"] for s in samples]
@@ -180,7 +180,8 @@ def test_tiny_dataset_is_coco_layout_parquet_and_draws_disjoint_image_sets(fam, 
     offsets share no image, and each sample's sha256 is that of its image in the file."""
     from quantstudy import steps
 
-    files = fam.tiny_dataset_files({"val": "data/val-*.parquet"}, {"kind": "images", "seed": 0, "rows": 12, "short_side": [60, 80]}, TINY)
+    tiny = {"kind": "images", "seed": 0, "rows": 12, "short_side": [60, 80]}
+    files = fam.tiny_dataset_files({"val": "data/val-*.parquet"}, tiny, TINY)
     for name, data in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(data)

@@ -213,14 +213,16 @@ def test_plain_gpt_neo_computes_the_project_prefill_and_decode(bench, tmp_path):
         outputs, engines = {}, {}
         for v, spec in specs.items():
             project, summary = quantization.apply_variant(fam.module(tmp_path, graph, st), spec, recipe, amax)
-            variant = plain.Variant(v, "float16", {}, {n: amax["amax"][n] for n in summary["fp8_layers"]}, "float16", {})
+            fp8 = {n: amax["amax"][n] for n in summary["fp8_layers"]}
+            variant = plain.Variant(v, "float16", {}, fp8, "float16", {})
             engines[v] = plain.gpt_neo.model(tmp_path, st, variant, "cpu", graph)
             given = {k: t.clone() for k, t in example.items()}
             with torch.no_grad():
                 outputs[f"project {v}"], outputs[f"plain {v}"] = project(**example), engines[v](**given)
             if graph == "decode":  # the plain decode's caches are the buffers it was given, written in place
                 assert outputs[f"plain {v}"]["present_key_0"].data_ptr() == given["past_key_0"].data_ptr()
-                torch.testing.assert_close(outputs[f"plain {v}"]["present_key_0"], outputs[f"project {v}"]["present_key_0"])
+                torch.testing.assert_close(outputs[f"plain {v}"]["present_key_0"],
+                                           outputs[f"project {v}"]["present_key_0"])
             engines[f"project {v}"] = project
         layers = bench.fp8_layers_agree(engines["project fp8"], engines["fp8"], example, plain.layer_prefix("gpt_neo"))
         result = bench.check(outputs, bench.fp32_outputs("gpt_neo", str(tmp_path), st, graph, example, "cpu"),
@@ -263,7 +265,8 @@ def test_plain_deformable_detr_computes_the_project_engine(bench, tmp_path):
     for v, spec in {"fp16": {"precision": "float16", "transforms": []},
                     "fp8": {"precision": "float16", "transforms": [{"fp8": {}}]}}.items():
         models[f"project {v}"], summary = quantization.apply_variant(fam.module(tmp_path, "main", st), spec, recipe, amax)
-        variant = plain.Variant(v, "float16", {}, {n: amax["amax"][n] for n in summary["fp8_layers"]}, "float16", {})
+        fp8 = {n: amax["amax"][n] for n in summary["fp8_layers"]}
+        variant = plain.Variant(v, "float16", {}, fp8, "float16", {})
         models[f"plain {v}"] = plain.deformable_detr.model(tmp_path, st, variant, "cpu", "main")
         with torch.no_grad():
             outputs[f"project {v}"], outputs[f"plain {v}"] = models[f"project {v}"](**example), models[f"plain {v}"](**example)

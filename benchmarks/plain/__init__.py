@@ -14,10 +14,11 @@ modules, variant transforms or backend. Per family:
   (plain.gpt_neo, which says where that is exact).
 - deformable_detr: DeformableDetrForObjectDetection's forward as it is (plain.deformable_detr).
 
-Each module names the prefix its model puts before the project's layer names (LAYER_PREFIX), so
-that the FP8 layers can be paired one by one. A plain model is built from what the project's build of the variant says it computes (build.json:
-precision, transforms, FP8 layers with their amax, dequantize dtype, calls kept out of FP8); a
-transform the plain model does not implement is refused, not ignored.
+Each module names the prefix its model puts before the project's layer names (LAYER_PREFIX), so that
+the FP8 layers can be paired one by one. A plain model is built from what the project's build of the
+variant says it computes (build.json: precision, transforms, FP8 layers with their amax, dequantize
+dtype, calls kept out of FP8); a transform the plain model does not implement is refused, not
+ignored.
 """
 
 from __future__ import annotations

@@ -274,9 +274,10 @@ class DeformableDetr:
                 view, buf = fixtures.jittered(photos[p], rng, short_side), io.BytesIO()
                 view.save(buf, format="JPEG", quality=90)
                 w, h = view.size
+                objects = {"bbox_id": [i], "category": [p + 1], "bbox": [[0.0, 0.0, float(w), float(h)]],
+                           "area": [float(w * h)]}
                 rows.append({"image_id": i, "image": {"bytes": buf.getvalue(), "path": f"{i:012d}.jpg"}, "width": w,
-                             "height": h, "objects": {"bbox_id": [i], "category": [p + 1],
-                                                      "bbox": [[0.0, 0.0, float(w), float(h)]], "area": [float(w * h)]}})
+                             "height": h, "objects": objects})
             buf = io.BytesIO()
             pd.DataFrame(rows).to_parquet(buf, index=False)
             out[fixtures.split_file(pattern)] = buf.getvalue()

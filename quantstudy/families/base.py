@@ -17,12 +17,23 @@ dynamic.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 Inputs = dict[str, Any]  # {name: torch.Tensor}; Any keeps this module free of torch
 Blocks = dict[str, dict[str, Any]]
+
+
+def seeded_rows(rows: int, spec: Mapping[str, Any]) -> list[int]:
+    """A samples spec's row indices of a split of `rows` rows: every row in one order shuffled with
+    `seed`, then [offset, offset + count) of it. Sets drawn with the same seed and non-overlapping
+    offsets are disjoint (a study's calibration and held-out sets)."""
+    order = list(range(rows))
+    random.Random(spec.get("seed", 0)).shuffle(order)
+    offset = spec.get("offset", 0)
+    return order[offset:offset + spec["count"]]
 
 
 @dataclass(frozen=True)

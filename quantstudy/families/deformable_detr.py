@@ -288,21 +288,18 @@ class DeformableDetr:
     def draw_samples(rows: Any, spec: dict[str, Any], processor: Any) -> list[dict[str, Any]]:
         """Images of a split (parquet rows with their `__url__` and `__index__`), in a seeded order.
 
-        kind images: every row in one order shuffled with `seed`, then rows [offset, offset + count)
-        of it: sets of one seed and non-overlapping offsets are disjoint (calibration, held out).
-        A sample: {"id": the image_id, "sha256": of the image bytes, "file": the parquet file in the
+        kind images: the rows base.seeded_rows picks (calibration and held out are disjoint). A
+        sample: {"id": the image_id, "sha256": of the image bytes, "file": the parquet file in the
         pinned snapshot, "row": the image's row in it}.
         """
         from datasets import Image
 
         if spec["kind"] != "images":
             raise ValueError(f"deformable_detr draws images, not {spec['kind']!r}")
-        order = list(range(len(rows)))
-        random.Random(spec.get("seed", 0)).shuffle(order)
-        offset = spec.get("offset", 0)
+        picked = base.seeded_rows(len(rows), spec)
         rows = rows.cast_column("image", Image(decode=False))  # the bytes as stored: the content hash
         return [{"id": int(row["image_id"]), "sha256": _sha(row["image"]["bytes"]), "file": row["__url__"],
-                 "row": int(row["__index__"])} for row in (rows[i] for i in order[offset:offset + spec["count"]])]
+                 "row": int(row["__index__"])} for row in (rows[i] for i in picked)]
 
     @staticmethod
     def content_sha256(samples: list[dict[str, Any]]) -> list[str]:

@@ -302,9 +302,8 @@ class TimmXcit:
     def draw_samples(rows, spec: dict[str, Any], processor: Any) -> list[dict[str, Any]]:
         """Images of a WebDataset split (a `datasets` webdataset Dataset), in a seeded order.
 
-        kind images: every row in one order shuffled with `seed`, then rows [offset, offset + count)
-        of it. Sets drawn with the same seed and non-overlapping offsets are disjoint (the
-        study's calibration, held-out and extra held-out sets). A sample: {"id": the WebDataset
+        kind images: the rows base.seeded_rows picks (the study's calibration, held-out and extra
+        held-out sets are disjoint). A sample: {"id": the WebDataset
         key, "label": the .cls class, "sha256": of the image bytes, "shard": the tar file in the
         pinned snapshot, "member": the image's name in it}.
         """
@@ -312,10 +311,7 @@ class TimmXcit:
 
         if spec["kind"] != "images":
             raise ValueError(f"timm_xcit draws images, not {spec['kind']!r}")
-        order = list(range(len(rows)))
-        random.Random(spec.get("seed", 0)).shuffle(order)
-        offset = spec.get("offset", 0)
-        picked = order[offset:offset + spec["count"]]
+        picked = base.seeded_rows(len(rows), spec)
         # The image bytes as stored (no decoding): their hash is the sample's content hash.
         for ext in sorted(set(IMAGE_EXTENSIONS) & set(rows.column_names)):
             rows = rows.cast_column(ext, Image(decode=False))

@@ -77,6 +77,10 @@ PRIORITY = ["fnet-base/w128", "fnet-base/w256", "fnet-base/w512", "deberta-v3-ba
             "deberta-v3-base/b32-w256", "deberta-v3-large/w256", "fnet-base/b8-w512"]
 
 
+# The issue's bar: each engine of the project at most 3% slower than plain torch.
+MARGIN = 1.03
+
+
 def _say(msg: str, started: float = time.perf_counter()) -> None:
     print(f"[{time.perf_counter() - started:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
@@ -446,12 +450,22 @@ def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]],
             rows[(row["model"], row["setting"], row.get("graph", "main"))] = row
     missing = [f"{m}/{st}" for _, m, st in planned if (m, st) not in {key[:2] for key in rows}]
     families = uncovered(run)
+    over = over_margin(list(rows.values()))
     print(summary_table(list(rows.values())))
     print(f"From {', '.join(map(str, outputs))}. Timed settings of the config in none of them: "
           f"{', '.join(missing) or 'none'}.")
+    print(f"\nWithin {MARGIN - 1:.0%} of plain torch or faster (project / plain at most {MARGIN} for both engines, "
+          f"outputs agreeing): {len(rows) - len(over)} of {len(rows)} rows. Not: {', '.join(over) or 'none'}.")
     for family, why in families.items():
         print(f"\nNot covered: {family}, a registered family: {why}.")
-    return {"rows": list(rows.values()), "missing": missing, "uncovered": families}
+    return {"rows": list(rows.values()), "missing": missing, "uncovered": families, "over_margin": over}
+
+
+def over_margin(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows that fail the issue's bar: failed, outputs differing, or an engine slower than plain by
+    more than MARGIN."""
+    return [f"{r['model']}/{_where(r)}" for r in rows
+            if r["status"] != "ok" or not r["check"]["ok"] or max(v["x"] for v in r["ratio"].values()) > MARGIN]
 
 
 # --- the run -------------------------------------------------------------------------------------

@@ -275,3 +275,15 @@ def test_plain_deformable_detr_computes_the_project_engine(bench, tmp_path):
                          "fp16", "fp8", layers)
     assert result["ok"], result
     assert layers["layers"] == len(summary["fp8_layers"]) > 0 and not layers["missing_in_plain"]
+
+
+def test_rows_past_the_3_percent_margin_are_named(bench):
+    """The summary's verdict: a row is over the issue's bar when either engine is slower than plain by more
+    than 3%, its outputs differ, or it failed; a row at exactly 1.03 passes."""
+    def row(setting, fp16, fp8, ok=True, status="ok"):
+        return {"model": "m", "setting": setting, "status": status, "check": {"ok": ok},
+                "ratio": {"fp16": {"x": fp16}, "fp8": {"x": fp8}}}
+
+    rows = [row("at", 1.03, 0.9), row("fp8-slow", 1.0, 1.031), row("fp16-slow", 1.04, 1.0), row("differ", 1.0, 1.0, False),
+            row("failed", 1.0, 1.0, status="failed")]
+    assert bench.over_margin(rows) == ["m/fp8-slow", "m/fp16-slow", "m/differ", "m/failed"]

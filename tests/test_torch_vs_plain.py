@@ -139,10 +139,11 @@ H200_CALLS = [H200_OUTPUT / "torch_vs_plain.json", *sorted((H200_OUTPUT / "calls
 @pytest.mark.parametrize("out", H200_CALLS, ids=[str(p.parent.relative_to(ROOT)) for p in H200_CALLS])
 def test_the_committed_h200_output_is_an_artifact_and_its_markdown_prints_its_rows(bench, out):
     """results/h200-torch-vs-plain/: each call's JSON is a valid artifact of the current schema, the
-    markdown beside it is what the script prints from those rows, and every row's outputs agree."""
+    markdown beside it is what the script prints from those rows, and every row's outputs agree. A call
+    stopped by its device call's limit (no `wall_s`: the script never reached its end) has no summary."""
     doc = artifacts.read_json(out, "torch_vs_plain")
     printed = out.with_suffix(".md").read_text()
-    assert bench.summary_table(doc["rows"]) in printed
+    assert (bench.summary_table(doc["rows"]) in printed) == ("wall_s" in doc)
     for row in doc["rows"]:
         assert bench.row_table(row) in printed
         assert row["status"] == "ok" and row["check"]["ok"] and row["check"]["fp8_layers"]["ok"]

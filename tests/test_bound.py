@@ -4,6 +4,7 @@ GEMM timings, and the bound in tables.json and the rendered README, on small cas
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 
@@ -216,3 +217,30 @@ def test_profiled_gemm_calls_are_per_forward_like_the_total(device):
         assert profile["gemms"][0]["ms"] == pytest.approx(profile["total_ms"]), (calls, profile)
         share = bound.recipe_share(profile, [{"layer": "layer", "dims": [64, 256, 512]}])
         assert share["f"] == pytest.approx(1.0) and share["kind"] == "exact"
+
+
+REPEAT_RUN = Path(__file__).resolve().parent.parent / "results/h200-torch-repeats/w128-bound"
+
+
+def test_the_committed_h200_repeat_run_renders_the_bound_that_its_json_gives():
+    """results/h200-torch-repeats/w128-bound/ (fnet-base w128 on one H200, two timing jobs per engine):
+    the fp8 row's bound, recomputed here from the gemm.json and baseline kernels.json that its rules
+    wrote, is the one in tables.json and in the rendered README; real FP8 GEMMs (g > 1, not emulated)
+    and x within 1% across the two jobs, and x no higher than the bound allows."""
+    from quantstudy import artifacts
+    from quantstudy.render import environment
+
+    results = REPEAT_RUN / "results"
+    tables = artifacts.read_json(results / "fnet/tables.json", "tables")
+    (row,) = [r for r in tables["speed"] if r["variant"] == "fp8"]
+    gemms = {("h200-torch", "fnet-base", "w128"): (row["g_source"], artifacts.read_json(
+        results.parent / row["g_source"], "gemm"))}
+    kernels = {("h200-torch", "fnet-base", "w128", "fp16"): (row["f_source"], artifacts.read_json(
+        results.parent / row["f_source"], "kernels"))}
+    again = aggregate._bound(row, gemms, kernels, "fp16", tables["bound"]["at_limit"])
+    assert {k: again[k] for k in aggregate.BOUND_COLUMNS} == {k: row[k] for k in aggregate.BOUND_COLUMNS}
+    assert row["bound"] == pytest.approx(bound.amdahl_bound(row["f"], row["g"]))
+    assert row["g"] > 1 and row["fp8_emulated"] is False and 0 < row["f"] < 1
+    assert row["x"] <= row["bound"] * 1.01 and row["x_jobs_spread"] < 0.01 and len(row["x_by_repeat"]) == 2
+    macros = environment().get_template("macros.md.j2").module
+    assert f"| {macros.bound_cell(row)} |" in (results / "fnet/README.md").read_text()

@@ -450,15 +450,16 @@ def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]],
             rows[(row["model"], row["setting"], row.get("graph", "main"))] = row
     missing = [f"{m}/{st}" for _, m, st in planned if (m, st) not in {key[:2] for key in rows}]
     families = uncovered(run)
-    over = over_margin(list(rows.values()))
-    print(summary_table(list(rows.values())))
+    found = list(rows.values())
+    over = over_margin(found)
+    print(summary_table(found))
     print(f"From {', '.join(map(str, outputs))}. Timed settings of the config in none of them: "
           f"{', '.join(missing) or 'none'}.")
     print(f"\nWithin {MARGIN - 1:.0%} of plain torch or faster (project / plain at most {MARGIN} for both engines, "
-          f"outputs agreeing): {len(rows) - len(over)} of {len(rows)} rows. Not: {', '.join(over) or 'none'}.")
+          f"outputs agreeing): {len(found) - len(over)} of {len(found)} rows. Not: {', '.join(over) or 'none'}.")
     for family, why in families.items():
         print(f"\nNot covered: {family}, a registered family: {why}.")
-    return {"rows": list(rows.values()), "missing": missing, "uncovered": families, "over_margin": over}
+    return {"rows": found, "missing": missing, "uncovered": families, "over_margin": over}
 
 
 def over_margin(rows: list[dict[str, Any]]) -> list[str]:

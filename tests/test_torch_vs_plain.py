@@ -285,6 +285,6 @@ def test_rows_past_the_3_percent_margin_are_named(bench):
         return {"model": "m", "setting": setting, "status": status, "check": {"ok": ok},
                 "ratio": {"fp16": {"x": fp16}, "fp8": {"x": fp8}}}
 
-    rows = [row("at", 1.03, 0.9), row("fp8-slow", 1.0, 1.031), row("fp16-slow", 1.04, 1.0), row("differ", 1.0, 1.0, False),
-            row("failed", 1.0, 1.0, status="failed")]
+    rows = [row("at", 1.03, 0.9), row("fp8-slow", 1.0, 1.031), row("fp16-slow", 1.04, 1.0),
+            row("differ", 1.0, 1.0, False), row("failed", 1.0, 1.0, status="failed")]
     assert bench.over_margin(rows) == ["m/fp8-slow", "m/fp16-slow", "m/differ", "m/failed"]

@@ -19,6 +19,8 @@ slow kernel belongs to the graph or to the compile. Each output is checked again
 layer; each compile is profiled kernel by kernel.
 
     python benchmarks/detr_attention.py --out OUT.json > OUT.md   # on a GPU; --device cpu to try
+
+Under `timeout -s INT` a run cut short still prints the rows it measured.
 """
 
 from __future__ import annotations
@@ -180,7 +182,8 @@ def best_configs(cache: Path, names: list[str]) -> dict[str, Any]:
 
 
 def measure(cfg, size: str, formulation: str, compiles: int, device: str, work: Path,
-            timing: dict[str, int], say) -> list[dict[str, Any]]:
+            timing: dict[str, int], say):
+    """Each fresh compile's row, as it is measured."""
     height, width = (int(v) for v in size.split("x"))
     shapes = level_shapes(cfg, height, width)
     reference_model, reference_inputs = build(cfg, shapes, "transformers", torch.float32, device)
@@ -191,7 +194,6 @@ def measure(cfg, size: str, formulation: str, compiles: int, device: str, work: 
     # fp16 as in the engines; fp32 on a CPU, where grid_sample in fp16 on a strided input returns
     # NaN at random (torch 2.14).
     dtype = torch.float16 if device.startswith("cuda") else torch.float32
-    rows = []
     for n in range(1, compiles + 1):
         cache = work / "inductor" / f"{size}-{formulation}-{n}"
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # empty: a fresh compile and autotune
@@ -210,9 +212,8 @@ def measure(cfg, size: str, formulation: str, compiles: int, device: str, work: 
                "best_configs": best_configs(cache, top)}
         say(f"{size} {formulation} compile {n}: {times['median_ms']:.4f} ms, open {open_s:.1f} s, "
             f"rel. L2 {row['rel_l2_vs_fp32']:.2e}")
-        rows.append(row)
         del runner, model
-    return rows
+        yield row
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -257,16 +258,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     cfg = hf_config()
     timing = {"warmup": args.warmup, "rounds": args.rounds, "calls": args.calls}
-    rows = []
-    for size in args.sizes:
-        for formulation in args.formulations:
-            rows += measure(cfg, size, formulation, args.compiles, args.device, args.work, timing, say)
-            doc = {"schema": "detr_attention", "rows": rows, "params": {k: str(v) for k, v in vars(args).items()},
-                   "torch": torch.__version__,
-                   "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
-            if args.out:
-                # After every formulation: a run cut short keeps its rows.
-                artifacts.atomic_write(args.out, json.dumps(doc, indent=1, default=str) + "\n")
+    doc = {"schema": "detr_attention", "rows": [], "params": {k: str(v) for k, v in vars(args).items()},
+           "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
+    rows = doc["rows"]
+    try:
+        for size in args.sizes:
+            for formulation in args.formulations:
+                for row in measure(cfg, size, formulation, args.compiles, args.device, args.work, timing, say):
+                    rows.append(row)
+                    if args.out:  # after every row: a run cut short keeps what it measured
+                        artifacts.atomic_write(args.out, json.dumps(doc, indent=1, default=str) + "\n")
+    except KeyboardInterrupt:  # `timeout -s INT`: print what was measured
+        say(f"interrupted after {len(rows)} rows")
     print("## Deformable DETR encoder layer, by attention formulation\n")
     print(table(rows))
     print("\nTop kernels of each compile, kernel by kernel (no graph replay):")

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from quantstudy import artifacts, timing as qt  # noqa: E402
+from quantstudy import artifacts, metrics, timing as qt  # noqa: E402
 from quantstudy import families as family_registry  # noqa: E402
 from quantstudy.backends import torch_backend  # noqa: E402
 from quantstudy.families import deformable_detr as detr  # noqa: E402
@@ -103,12 +103,7 @@ ATTENTION = {"level-sum": LevelSumAttention, "gather": GatherAttention}
 
 
 def hf_config():
-    fam = family_registry.get("deformable_detr")
-    architecture = json.loads(ARCHITECTURE.read_text())
-    cfg = fam.hf_config(architecture)
-    if cfg.backbone_config.model_type == "timm_backbone":
-        cfg = fam.hf_config({**architecture, **detr.transformers_backbone(cfg.backbone_config)})
-    return cfg
+    return family_registry.get("deformable_detr").hf_config_without_timm(json.loads(ARCHITECTURE.read_text()))
 
 
 def level_shapes(cfg, height: int, width: int) -> list[tuple[int, int]]:
@@ -127,14 +122,10 @@ class EncoderLayer(nn.Module):
     def __init__(self, layer: nn.Module, shapes: list[tuple[int, int]]):
         super().__init__()
         self.layer, self.shapes = layer, shapes
-        points = []
-        for h, w in shapes:
-            ys, xs = (torch.arange(h) + 0.5) / h, (torch.arange(w) + 0.5) / w
-            points.append(torch.stack([xs[None, :].expand(h, w), ys[:, None].expand(h, w)], -1).reshape(1, h * w, 2))
-        self.register_buffer("points", torch.cat(points, 1)[:, :, None].expand(1, -1, len(shapes), 2).contiguous())
-        spatial = torch.tensor(shapes, dtype=torch.long)
-        self.register_buffer("spatial_shapes", spatial)
-        self.register_buffer("level_start", torch.cat((spatial.new_zeros((1,)), spatial.prod(1).cumsum(0)[:-1])))
+        points, spatial_shapes, level_start = detr.encoder_geometry(shapes, 1, "cpu", torch.float32)
+        self.register_buffer("points", points.contiguous())
+        self.register_buffer("spatial_shapes", spatial_shapes)
+        self.register_buffer("level_start", level_start)
 
     def forward(self, hidden: torch.Tensor, position: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -165,11 +156,6 @@ def build(cfg, shapes, formulation: str, dtype: torch.dtype, device: str) -> tup
     return model, {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
 
 
-def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
 def best_configs(cache: Path, names: list[str]) -> dict[str, Any]:
     """The autotuning choice of each named kernel, from the `.best_config` beside its source."""
     found = {}
@@ -181,15 +167,16 @@ def best_configs(cache: Path, names: list[str]) -> dict[str, Any]:
     return found
 
 
-def measure(cfg, size: str, formulation: str, compiles: int, device: str, work: Path,
-            timing: dict[str, int], say):
-    """Each fresh compile's row, as it is measured."""
-    height, width = (int(v) for v in size.split("x"))
-    shapes = level_shapes(cfg, height, width)
-    reference_model, reference_inputs = build(cfg, shapes, "transformers", torch.float32, device)
+def fp32_reference(cfg, shapes: list[tuple[int, int]], device: str) -> torch.Tensor:
+    """The layer's output with Transformers' attention in fp32, eager: what every formulation computes."""
+    model, inputs = build(cfg, shapes, "transformers", torch.float32, device)
     with torch.no_grad():
-        reference = reference_model(**reference_inputs)["hidden"]
-    del reference_model
+        return model(**inputs)["hidden"]
+
+
+def measure(cfg, size: str, shapes: list[tuple[int, int]], reference: torch.Tensor, formulation: str,
+            compiles: int, device: str, work: Path, timing: dict[str, int], say):
+    """Each fresh compile's row, as it is measured."""
     fam = family_registry.get("deformable_detr")
     # fp16 as in the engines; fp32 on a CPU, where grid_sample in fp16 on a strided input returns
     # NaN at random (torch 2.14).
@@ -208,7 +195,7 @@ def measure(cfg, size: str, formulation: str, compiles: int, device: str, work: 
         top = [k["name"] for k in profile["top_kernels"][:6]]
         row = {"size": size, "levels": shapes, "formulation": formulation, "compile": n,
                "open_s": round(open_s, 2), "timing": times, "finite": bool(torch.isfinite(out).all()),
-               "rel_l2_vs_fp32": relative_l2(out.float(), reference), "profile": profile,
+               "rel_l2_vs_fp32": float(metrics.relative_l2(reference.reshape(1, -1), out.float().reshape(1, -1))), "profile": profile,
                "best_configs": best_configs(cache, top)}
         say(f"{size} {formulation} compile {n}: {times['median_ms']:.4f} ms, open {open_s:.1f} s, "
             f"rel. L2 {row['rel_l2_vs_fp32']:.2e}")
@@ -263,8 +250,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = doc["rows"]
     try:
         for size in args.sizes:
+            shapes = level_shapes(cfg, *(int(v) for v in size.split("x")))
+            reference = fp32_reference(cfg, shapes, args.device)
             for formulation in args.formulations:
-                for row in measure(cfg, size, formulation, args.compiles, args.device, args.work, timing, say):
+                for row in measure(cfg, size, shapes, reference, formulation, args.compiles, args.device,
+                                   args.work, timing, say):
                     rows.append(row)
                     if args.out:  # after every row: a run cut short keeps what it measured
                         artifacts.atomic_write(args.out, json.dumps(doc, indent=1, default=str) + "\n")

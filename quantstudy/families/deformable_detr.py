@@ -119,24 +119,17 @@ class DetectorEngine(nn.Module):
 
         m = self.model
         x = pixel_values
-        flat, position, shapes, encoder_points = [], [], [], []
+        flat, position, shapes = [], [], []
         for level, source in enumerate(self._levels(x)):
             batch, channels, h, w = source.shape
             pos = m.position_embedding(shape=source.shape, device=x.device, dtype=x.dtype).to(source.dtype)
             flat.append(source.flatten(2).transpose(1, 2))
             position.append(pos.flatten(2).transpose(1, 2) + m.level_embed[level].view(1, 1, -1))
             shapes.append((h, w))
-            ys = (torch.arange(h, device=x.device, dtype=x.dtype) + 0.5) / h
-            xs = (torch.arange(w, device=x.device, dtype=x.dtype) + 0.5) / w
-            grid = torch.stack([xs[None, :].expand(h, w), ys[:, None].expand(h, w)], -1)
-            encoder_points.append(grid.reshape(1, h * w, 2))
         hidden = torch.cat(flat, 1)
         position = torch.cat(position, 1)
         levels = len(shapes)
-        spatial_shapes = torch.tensor(shapes, dtype=torch.long, device=x.device)
-        level_start = torch.cat((spatial_shapes.new_zeros((1,)), spatial_shapes.prod(1).cumsum(0)[:-1]))
-        # Every level's reference points (Transformers multiplies them by the valid ratios, all 1).
-        points = torch.cat(encoder_points, 1)[:, :, None].expand(batch, -1, levels, 2)
+        points, spatial_shapes, level_start = encoder_geometry(shapes, batch, x.device, x.dtype)
         for layer in m.encoder.layers:
             hidden = layer(hidden, None, spatial_position_embeddings=position, reference_points=points,
                            spatial_shapes=spatial_shapes, spatial_shapes_list=shapes, level_start_index=level_start)
@@ -154,6 +147,23 @@ class DetectorEngine(nn.Module):
         return {"logits": self.class_embed(decoded), "pred_boxes": boxes}
 
 
+def encoder_geometry(shapes: list[tuple[Any, Any]], batch: int, device: Any, dtype: Any
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The encoder's inputs that depend on the level sizes only (ints, or symbolic under export):
+    every level's reference points [batch, tokens, levels, 2] (cell centres; Transformers
+    multiplies them by the valid ratios, all 1), the level shapes [levels, 2] and their start
+    indices [levels]."""
+    grids = []
+    for h, w in shapes:
+        ys = (torch.arange(h, device=device, dtype=dtype) + 0.5) / h
+        xs = (torch.arange(w, device=device, dtype=dtype) + 0.5) / w
+        grids.append(torch.stack([xs[None, :].expand(h, w), ys[:, None].expand(h, w)], -1).reshape(1, h * w, 2))
+    points = torch.cat(grids, 1)[:, :, None].expand(batch, -1, len(shapes), 2)
+    spatial_shapes = torch.tensor(shapes, dtype=torch.long, device=device)
+    level_start = torch.cat((spatial_shapes.new_zeros((1,)), spatial_shapes.prod(1).cumsum(0)[:-1]))
+    return points, spatial_shapes, level_start
+
+
 @register("deformable_detr")
 class DeformableDetr:
     """Adapter: the Deformable DETR detector engine, its inputs, layer names and kernel groups."""
@@ -169,6 +179,14 @@ class DeformableDetr:
         from transformers import DeformableDetrConfig
 
         return DeformableDetrConfig(**{k: v for k, v in architecture.items() if k not in ("model_type", "source")})
+
+    def hf_config_without_timm(self, architecture: dict[str, Any]):
+        """hf_config with a timm backbone replaced by its Transformers equivalent (the same
+        feature maps; timm need not be installed): for building the model without weights."""
+        cfg = self.hf_config(architecture)
+        if cfg.backbone_config.model_type == "timm_backbone":
+            cfg = self.hf_config({**architecture, **transformers_backbone(cfg.backbone_config)})
+        return cfg
 
     @staticmethod
     def load_reference(checkpoint: str | Path, dtype: Any = torch.float32) -> nn.Module:
@@ -197,11 +215,8 @@ class DeformableDetr:
         """
         from transformers import DeformableDetrForObjectDetection
 
-        cfg = self.hf_config(architecture)
-        if cfg.backbone_config.model_type == "timm_backbone":
-            cfg = self.hf_config({**architecture, **transformers_backbone(cfg.backbone_config)})
         with torch.device("meta"):
-            engine = DetectorEngine(DeformableDetrForObjectDetection(cfg))
+            engine = DetectorEngine(DeformableDetrForObjectDetection(self.hf_config_without_timm(architecture)))
         return [n for n, m in engine.named_modules() if isinstance(m, nn.Linear)]
 
     @staticmethod

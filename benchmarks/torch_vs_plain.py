@@ -441,12 +441,14 @@ def uncovered(run: config.Run) -> dict[str, str]:
 
 
 def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]], run: config.Run) -> dict[str, Any]:
-    """Print the summary of the rows of several outputs (a setting in two of them: the later one's row),
-    the planned settings that none of them has, and the registered families none can cover; return
-    {"rows", "missing", "uncovered"}."""
+    """Print the summary of the rows of several outputs (a setting in two of them: the row of the run
+    that started later), the planned settings that none of them has, and the registered families
+    none can cover; return {"rows", "missing", "uncovered"}."""
+    runs = sorted((artifacts.read_json(path, "torch_vs_plain") for path in outputs),
+                  key=lambda out: out["provenance"]["started"])
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for path in outputs:
-        for row in artifacts.read_json(path, "torch_vs_plain")["rows"]:
+    for out in runs:
+        for row in out["rows"]:
             rows[(row["model"], row["setting"], row.get("graph", "main"))] = row
     missing = [f"{m}/{st}" for _, m, st in planned if (m, st) not in {key[:2] for key in rows}]
     families = uncovered(run)

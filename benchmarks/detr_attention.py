@@ -7,8 +7,11 @@ and points, part of the sampling), and that kernel is either fast or slow. This 
 one real-size encoder layer (random weights, fp16; the workflow's Runner, so torch.compile and
 CUDA-graph replay; the workflow's interleaved timing) with each formulation of the attention:
 
-- `transformers`: Transformers' MultiScaleDeformableAttention, no mask (the project's engine);
+- `transformers`: Transformers' MultiScaleDeformableAttention, no mask;
 - `transformers-masked`: the same with an all-ones mask as a layer input (plain torch's model);
+- `weighted-stack`: the project's engine: each level's samples weighted before the levels are
+  stacked (`quantstudy.families.deformable_detr.WeightedStackAttention`), so the stack feeds only
+  the sum;
 - `level-sum`: each level's samples weighted and summed over points on their own, the levels
   added in fp32 (no stack of all levels' samples);
 - `gather`: bilinear sampling written out as indexed loads, channels innermost (no grid_sample).
@@ -46,7 +49,7 @@ from quantstudy.backends import torch_backend  # noqa: E402
 from quantstudy.families import deformable_detr as detr  # noqa: E402
 
 ARCHITECTURE = ROOT / "config" / "architectures" / "deformable-detr.json"
-FORMULATIONS = ["transformers", "transformers-masked", "level-sum", "gather"]
+FORMULATIONS = ["transformers", "transformers-masked", "weighted-stack", "level-sum", "gather"]
 
 
 class LevelSumAttention(nn.Module):
@@ -99,7 +102,7 @@ class GatherAttention(nn.Module):
         return out.to(value.dtype).reshape(batch, queries, heads * dim)
 
 
-ATTENTION = {"level-sum": LevelSumAttention, "gather": GatherAttention}
+ATTENTION = {"weighted-stack": detr.WeightedStackAttention, "level-sum": LevelSumAttention, "gather": GatherAttention}
 
 
 def hf_config():

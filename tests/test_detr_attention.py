@@ -24,7 +24,7 @@ def bench():
     return module
 
 
-@pytest.mark.parametrize("formulation", ["level-sum", "gather"])
+@pytest.mark.parametrize("formulation", ["weighted-stack", "level-sum", "gather"])
 def test_formulation_computes_transformers_attention(bench, formulation):
     from transformers.models.deformable_detr.modeling_deformable_detr import MultiScaleDeformableAttention
 
@@ -44,6 +44,8 @@ def test_formulation_computes_transformers_attention(bench, formulation):
     got = bench.ATTENTION[formulation]()(*args)
     assert got.shape == expected.shape == (batch, queries, heads * dim)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (got - expected).abs().max()
+    if formulation == "weighted-stack":  # the same products, summed in the same order
+        assert torch.equal(got, expected)
     # The check can fail: a sample one pixel off does not pass it.
     shifted = bench.ATTENTION[formulation]()(value, spatial, shapes, start, locations + 0.5 / 9, weights, 64)
     assert not torch.allclose(shifted, expected, rtol=1e-5, atol=1e-6)

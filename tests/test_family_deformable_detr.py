@@ -16,7 +16,7 @@ from torch import nn
 
 from quantstudy import config, export, families, quantization
 from quantstudy.families import base
-from quantstudy.families.deformable_detr import SIZE_MAX, SIZE_MIN, DetectorEngine, load_images
+from quantstudy.families.deformable_detr import SIZE_MAX, SIZE_MIN, DetectorEngine, WeightedStackAttention, load_images
 
 from conftest import observed_amax
 
@@ -132,6 +132,9 @@ def test_engine_equals_transformers_reference(fam, checkpoint):
     reference = fam.load_reference(checkpoint, torch.float32)
     engine = fam.module(checkpoint, "main", SETTINGS[0])
     assert isinstance(engine, DetectorEngine)
+    # 2 encoder and 2 decoder layers, each with the project's formulation of the attention
+    attention = [m.attn for m in engine.modules() if type(m).__name__ == "DeformableDetrMultiscaleDeformableAttention"]
+    assert len(attention) == 4 and all(isinstance(m, WeightedStackAttention) for m in attention)
     assert len(fam.quantizable_layers(TINY)) == 2 * 6 + 2 * 10 + 4  # 2 encoder + 2 decoder layers, the heads
     for height, width in [(96, 96), (96, 128), (65, 97)]:
         x = torch.randn(1, 3, height, width, generator=torch.Generator().manual_seed(height + width))

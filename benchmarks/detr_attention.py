@@ -40,7 +40,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from quantstudy import artifacts, metrics, timing as qt  # noqa: E402
@@ -60,14 +59,9 @@ class LevelSumAttention(nn.Module):
                 sampling_locations, attention_weights, im2col_step=None):
         batch, _, heads, dim = value.shape
         _, queries, _, levels, points, _ = sampling_locations.shape
-        values = value.split([h * w for h, w in value_spatial_shapes_list], dim=1)
-        grids = 2 * sampling_locations - 1
         weights = attention_weights.transpose(1, 2).reshape(batch * heads, 1, queries, levels, points)
         out = None
-        for level, (h, w) in enumerate(value_spatial_shapes_list):
-            v = values[level].flatten(2).transpose(1, 2).reshape(batch * heads, dim, h, w)
-            grid = grids[:, :, :, level].transpose(1, 2).flatten(0, 1)
-            sampled = F.grid_sample(v, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        for level, sampled in enumerate(detr.level_samples(value, value_spatial_shapes_list, sampling_locations)):
             part = (sampled * weights[..., level, :]).sum(-1, dtype=torch.float32)  # [batch*heads, dim, queries]
             out = part if out is None else out + part
         return out.to(value.dtype).view(batch, heads * dim, queries).transpose(1, 2).contiguous()

@@ -88,6 +88,21 @@ TIMM_BACKBONES = {"resnet50": {"model_type": "resnet", "embedding_size": 64, "de
 NOT_YET = "deformable_detr: the study's metrics come with its study (issue 9)"
 
 
+def level_samples(value: torch.Tensor, value_spatial_shapes_list: list[tuple[int, int]],
+                  sampling_locations: torch.Tensor) -> list[torch.Tensor]:
+    """Each level's bilinear samples [batch*heads, dim, queries, points], as Transformers'
+    MultiScaleDeformableAttention takes them (grid_sample, zero padding, align_corners false)."""
+    batch, _, heads, dim = value.shape
+    values = value.split([h * w for h, w in value_spatial_shapes_list], dim=1)
+    grids = 2 * sampling_locations - 1
+    samples = []
+    for level, (h, w) in enumerate(value_spatial_shapes_list):
+        v = values[level].flatten(2).transpose(1, 2).reshape(batch * heads, dim, h, w)
+        grid = grids[:, :, :, level].transpose(1, 2).flatten(0, 1)
+        samples.append(nn.functional.grid_sample(v, grid, mode="bilinear", padding_mode="zeros", align_corners=False))
+    return samples
+
+
 class WeightedStackAttention(nn.Module):
     """Transformers' MultiScaleDeformableAttention (same arguments, same products, same sum):
     each level's bilinear samples are multiplied by their attention weights before the levels
@@ -99,15 +114,9 @@ class WeightedStackAttention(nn.Module):
                 sampling_locations, attention_weights, im2col_step=None):
         batch, _, heads, dim = value.shape
         _, queries, _, levels, points, _ = sampling_locations.shape
-        values = value.split([h * w for h, w in value_spatial_shapes_list], dim=1)
-        grids = 2 * sampling_locations - 1
         weights = attention_weights.transpose(1, 2).reshape(batch * heads, 1, queries, levels, points)
-        weighted = []
-        for level, (h, w) in enumerate(value_spatial_shapes_list):
-            v = values[level].flatten(2).transpose(1, 2).reshape(batch * heads, dim, h, w)
-            grid = grids[:, :, :, level].transpose(1, 2).flatten(0, 1)
-            sampled = nn.functional.grid_sample(v, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-            weighted.append(sampled * weights[:, :, :, level])  # [batch*heads, dim, queries, points]
+        samples = level_samples(value, value_spatial_shapes_list, sampling_locations)
+        weighted = [sampled * weights[:, :, :, level] for level, sampled in enumerate(samples)]
         out = torch.stack(weighted, dim=-2).flatten(-2).sum(-1)
         return out.view(batch, heads * dim, queries).transpose(1, 2).contiguous()
 

@@ -1,7 +1,7 @@
 """The torch backend's engines against plain torch implementations of the same math, in one process.
 
     python benchmarks/torch_vs_plain.py [--tiny] [--families fnet deberta_v2] [--settings 'fnet-base/*']
-        [--profile] [--budget-s 450] [--out torch_vs_plain.json] [--work DIR]
+        [--profile] [--budget-s 450] [--compile-workers] [--out torch_vs_plain.json] [--work DIR]
     python benchmarks/torch_vs_plain.py --summary A.json B.json   # several calls' outputs together
 
 On an offline H200 node (./.whl as for results/h200-torch/run.sh), from the repository root:
@@ -40,6 +40,9 @@ the four engines (quantstudy.timing.kernel_profile: the family's kernel groups a
 kernels with their launches per call). The most important settings run first (PRIORITY);
 --budget-s stops before a setting that would not finish in time (as long as the longest one so
 far), and what ran is printed and written; the JSON is written after every setting.
+--compile-workers compiles a setting's four engines side by side, a process each, into inductor's
+on-disk caches, and then opens them here from those caches: Deformable DETR's four engines take
+~230 s so instead of ~520 s on the H200 node's 16 cores (results/h200-torch-vs-plain/README.md).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import fnmatch
 import functools
 import gc
 import logging
+import subprocess
 import sys
 import time
 import traceback
@@ -92,10 +96,11 @@ def setting_params(st) -> dict[str, Any]:
 
 class Inputs:
     """The pinned inputs of a run, made by the workflow's steps into `work` (the workflow's layout,
-    under `work` instead of results/), once per process: files of an earlier run are made again."""
+    under `work` instead of results/), once per process: files of an earlier run are made again,
+    unless `reuse` (a compile worker, which opens what its parent made)."""
 
-    def __init__(self, run: config.Run, work: Path, calibration_samples: int):
-        self.run, self.work, self.calibration_samples = run, work, calibration_samples
+    def __init__(self, run: config.Run, work: Path, calibration_samples: int, reuse: bool = False):
+        self.run, self.work, self.calibration_samples, self.reuse = run, work, calibration_samples, reuse
         self.cache = work / "hf-cache"
         self._hub: dict[str, Path | None] = {}
         self._made: set[Path] = set()
@@ -103,7 +108,7 @@ class Inputs:
 
     def _make(self, out: Path) -> bool:
         """Whether `out` is still to be made in this process (and from now on counts as made)."""
-        new = out not in self._made
+        new = out not in self._made and not (self.reuse and out.exists())
         self._made.add(out)
         return new
 
@@ -119,7 +124,9 @@ class Inputs:
         datasets = study.local_hub_specs()["datasets"] if fresh else []
         if models or datasets:
             out = self.work / study.name / ("local_hub.json" if fresh else f"local_hub-{model}.json")
-            steps.local_hub(study.family, models, datasets, str(self.cache), str(out), self.run.weights)
+            if not (self.reuse and out.exists()):
+                steps.local_hub(study.family, models, datasets, str(self.cache), str(out),
+                                self.run.weights)
             self._hub.setdefault(study.name, out)
         self._hub.setdefault(study.name, None)
 
@@ -275,13 +282,38 @@ def measure(study: config.Study, model: str, setting: str, target: dict[str, Any
         if builds[v]["status"] != "ok":
             raise RuntimeError(f"the project's build of {v} failed:\n{builds[v]['error']}")
     done("project builds")
+    if args.compile_workers and not args.open_only:
+        compile_in_workers(model, setting, [f"{impl} {v}" for v in (baseline, candidate) for impl in ("project", "plain")], args)
+        done("compile workers (one process per engine, in parallel)")
     snapshot = artifacts.read_json(ckpt, "checkpoint")["snapshot"]
     rows = []
     for graph in steps._family(family).graphs(st, arch):
         rows.append(measure_graph(study, model, setting, graph, target, snapshot, str(ckpt), builds, args, done))
         rows[-1]["seconds"] = dict(seconds)
         seconds.clear()
-    return rows
+    return [] if args.open_only else rows
+
+
+def compile_in_workers(model: str, setting: str, engines: list[str], args: argparse.Namespace) -> None:
+    """Compile each engine of the setting in a process of its own, all at once, into inductor's
+    on-disk caches (FX graph, Triton), which this process then reads when it opens them: compiling
+    is mostly single-threaded Python, and a DETR setting's four engines take ~9 minutes in a row.
+    A worker that fails is logged and left: this process compiles that engine itself."""
+    logs = args.work / "compile-workers"
+    logs.mkdir(parents=True, exist_ok=True)
+    common = [sys.executable, __file__, "--config", str(run_config(args)), "--settings", f"{model}/{setting}", "--work",
+              str(args.work), "--calibration-samples", str(args.calibration_samples)]
+    common += ["--device", args.device] if args.device else []
+    workers = {}
+    for engine in engines:
+        log_file = logs / f"{model}-{setting}-{engine.replace(' ', '-')}.log"
+        with open(log_file, "w") as f:
+            workers[engine] = (subprocess.Popen([*common, "--open-only", engine], stdout=f, stderr=subprocess.STDOUT),
+                               log_file)
+    for engine, (proc, log_file) in workers.items():
+        if proc.wait() != 0:
+            tail = "\n".join(log_file.read_text().splitlines()[-15:])
+            _say(f"{model}/{setting}: the compile worker of {engine} failed ({log_file}); compiling it here:\n{tail}")
 
 
 def measure_graph(study: config.Study, model: str, setting: str, graph: str, target: dict[str, Any], snapshot: str,
@@ -293,15 +325,24 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
     example = steps._example_inputs(family, snapshot, graph, st, builds[baseline]["spec"]["precision"])
     runners, fp8_layers = {}, {}
     for v in (baseline, candidate):
-        runners[f"project {v}"] = steps._runners(family, builds[v], study.recipe, ckpt, st, target, [graph])[graph]
-        done(f"project {v}{on}: open (compile, capture)")
+        if not args.open_only or args.open_only == f"project {v}":
+            with fx_graph_cache() as cache:
+                runners[f"project {v}"] = steps._runners(family, builds[v], study.recipe, ckpt, st, target,
+                                                         [graph])[graph]
+            done(f"project {v}{on}: open (compile, capture{cache})")
         module = plain.model(family, snapshot, st, builds[v], target["device"], graph)
         fp8_layers[v] = {"project": len(builds[v]["fp8_layers"]),
                          "plain": sum(isinstance(m, plain.fp8.FP8Linear) for m in module.modules())}
-        # Inputs of its own: a plain graph may write into them (plain GPT-Neo's decode, its caches).
-        runners[f"plain {v}"] = torch_backend.Runner(module, {k: t.clone() for k, t in example.items()},
-                                                     target["device"], target.get("compile", False))
-        done(f"plain {v}{on}: open (compile, capture)")
+        if not args.open_only or args.open_only == f"plain {v}":
+            # Inputs of its own: a plain graph may write into them (plain GPT-Neo's decode, its caches).
+            with fx_graph_cache() as cache:
+                runners[f"plain {v}"] = torch_backend.Runner(module, {k: t.clone() for k, t in example.items()},
+                                                             target["device"], target.get("compile", False))
+            done(f"plain {v}{on}: open (compile, capture{cache})")
+    if args.open_only:
+        for runner in runners.values():
+            runner.replay()  # a CPU runner compiles on its first timed call
+        return {}
     outputs = {name: r(example) for name, r in runners.items()}
     layers = fp8_layers_agree(runners[f"project {candidate}"].eager, runners[f"plain {candidate}"].eager,
                               runners[f"project {candidate}"].static_inputs, plain.layer_prefix(family))
@@ -337,6 +378,29 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
         done(f"profiles{on}")
     del runners, outputs
     return row
+
+
+class fx_graph_cache:
+    """Counts inductor's FX graph cache hits and misses inside the block; str() says them (or nothing
+    when nothing was compiled): whether a compile worker's output was read."""
+
+    def __enter__(self):
+        self._before = self._read()
+        return self
+
+    def __exit__(self, *exc):
+        after = self._read()
+        self.hits, self.misses = after[0] - self._before[0], after[1] - self._before[1]
+
+    @staticmethod
+    def _read() -> tuple[int, int]:
+        from torch._dynamo.utils import counters  # read anew: dynamo may replace the per-topic counters
+
+        return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+    def __str__(self) -> str:
+        hits, misses = getattr(self, "hits", 0), getattr(self, "misses", 0)
+        return f"; FX graph cache {hits} hit, {misses} missed" if hits or misses else ""
 
 
 # --- printing ------------------------------------------------------------------------------------
@@ -496,6 +560,10 @@ def torch_target(run: config.Run, device: str | None) -> dict[str, Any]:
     return target
 
 
+def run_config(args: argparse.Namespace) -> Path:
+    return args.config or ROOT / ("config/config.yaml" if args.tiny else "config/h200.yaml")
+
+
 def write(out: Path | None, doc: dict[str, Any], started: str, params: dict[str, Any]) -> None:
     if out:
         artifacts.write_json(out, "torch_vs_plain", {**doc, "provenance": artifacts.provenance(
@@ -521,6 +589,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="where the steps write checkpoints, samples, amax and engines")
     parser.add_argument("--out", type=Path, help="write the rows as a torch_vs_plain JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="the steps' own log lines")
+    parser.add_argument("--compile-workers", action="store_true",
+                        help="compile a setting's four engines at once, a process each, before opening them here "
+                             "from inductor's caches (on a GPU node with the cores for it)")
+    parser.add_argument("--open-only", metavar="ENGINE", help="a compile worker: open this engine ('project fp16') "
+                        "of the one setting from the inputs in --work, and stop")
     parser.add_argument("--summary", nargs="+", type=Path, metavar="JSON",
                         help="run nothing: the summary of these outputs' rows (runs of several device calls), and "
                              "which timed settings of the config none of them has")
@@ -529,7 +602,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         format="%(levelname)s %(name)s: %(message)s")
     started, t0 = artifacts.now(), time.perf_counter()
     steps._deterministic()  # TF32 off (FNet's fp32 sequence DFT stays fp32), as the build and time steps run
-    cfg = args.config or ROOT / ("config/config.yaml" if args.tiny else "config/h200.yaml")
+    cfg = run_config(args)
     run = config.load_run(yaml.safe_load(cfg.read_text()))
     if args.summary:
         return summarize(args.summary, plan(run, args.families or list(plain.FAMILIES), args.settings), run)
@@ -544,10 +617,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Dynamo keeps compiled variants per code object; past the limit it would run a module eagerly,
     # unannounced. A setting compiles four modules (the caches are reset between settings).
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-    inputs = Inputs(run, args.work, args.calibration_samples)
+    inputs = Inputs(run, args.work, args.calibration_samples, reuse=bool(args.open_only))
     params = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     doc: dict[str, Any] = {"run": run.name, "weights": run.weights, "config": str(cfg), "target": target,
                            "rows": [], "not_run": []}
+    if args.open_only:
+        if len(todo) != 1:
+            raise SystemExit(f"--open-only opens an engine of one setting; --settings match {len(todo)}")
+        from torch._inductor import config as inductor_config
+
+        # The parent times kernel configs again, alone on the GPU: not what workers timed beside each other.
+        inductor_config.autotune_local_cache = False
+        measure(*todo[0], target, inputs, args)
+        return doc
     _say(f"{len(todo)} settings on {target['target']} ({target['device']}, compile {target.get('compile', False)}): "
          + ", ".join(f"{m}/{st}" for _, m, st in todo))
     longest = 0.0  # the longest setting so far: what the next one is expected to take

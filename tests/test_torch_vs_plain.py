@@ -131,6 +131,30 @@ def test_budget_stops_cleanly_before_a_setting_and_keeps_the_issue_order(bench, 
     assert "not run: fnet-base/w128" in capsys.readouterr().out
 
 
+
+def test_compile_workers_compile_the_engines_this_process_then_reads(bench, tmp_path, monkeypatch):
+    # The tiny run with its CPU engines compiled, into an inductor cache of this test's own: every FX
+    # graph this process compiles must come from the cache the four workers filled, none compiled anew.
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    compiled = tmp_path / "config.yaml"
+    text = (ROOT / "config" / "config.yaml").read_text()
+    assert "cpu-torch: {backend: torch, device: cpu}" in text
+    compiled.write_text(text.replace("cpu-torch: {backend: torch, device: cpu}",
+                                     "cpu-torch: {backend: torch, device: cpu, compile: true}"))
+    before = dict(counters["inductor"])
+    doc = bench.main(["--config", str(compiled), "--settings", "fnet-base/w128", "--compile-workers",
+                      "--work", str(tmp_path / "work"), "--warmup", "1", "--rounds", "1", "--calls", "1"])
+    assert [r["status"] for r in doc["rows"]] == ["ok"] and doc["rows"][0]["check"]["ok"]
+    assert doc["target"]["compile"]
+    row = doc["rows"][0]
+    assert sorted(p.name for p in (tmp_path / "work" / "compile-workers").iterdir()) == sorted(
+        f"fnet-base-w128-{impl}-{v}.log" for impl in ("project", "plain") for v in (row["baseline"], row["candidate"]))
+    hits = counters["inductor"]["fxgraph_cache_hit"] - before.get("fxgraph_cache_hit", 0)
+    misses = counters["inductor"]["fxgraph_cache_miss"] - before.get("fxgraph_cache_miss", 0)
+    assert (hits, misses) == (4, 0)
+
 H200_OUTPUT = ROOT / "results" / "h200-torch-vs-plain"
 # The device calls after the fixes, in the order run (before/ is the first run, before them).
 H200_CALLS = [H200_OUTPUT / "torch_vs_plain.json", *sorted((H200_OUTPUT / "calls").glob("*/torch_vs_plain.json"))]

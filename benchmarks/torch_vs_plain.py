@@ -42,7 +42,7 @@ kernels with their launches per call). The most important settings run first (PR
 far), and what ran is printed and written; the JSON is written after every setting.
 --compile-workers compiles a setting's four engines side by side, a process each, into inductor's
 on-disk caches, and then opens them here from those caches: Deformable DETR's four engines take
-~230 s so instead of ~520 s on the H200 node's 16 cores (results/h200-torch-vs-plain/README.md).
+~230 s instead of ~520 s on the H200 node's 16 cores (results/h200-torch-vs-plain/README.md).
 """
 
 from __future__ import annotations

@@ -283,7 +283,8 @@ def measure(study: config.Study, model: str, setting: str, target: dict[str, Any
             raise RuntimeError(f"the project's build of {v} failed:\n{builds[v]['error']}")
     done("project builds")
     if args.compile_workers and not args.open_only:
-        compile_in_workers(model, setting, [f"{impl} {v}" for v in (baseline, candidate) for impl in ("project", "plain")], args)
+        engines = [f"{impl} {v}" for v in (baseline, candidate) for impl in ("project", "plain")]
+        compile_in_workers(model, setting, engines, args)
         done("compile workers (one process per engine, in parallel)")
     snapshot = artifacts.read_json(ckpt, "checkpoint")["snapshot"]
     rows = []

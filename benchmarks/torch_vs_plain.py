@@ -124,9 +124,8 @@ class Inputs:
         datasets = study.local_hub_specs()["datasets"] if fresh else []
         if models or datasets:
             out = self.work / study.name / ("local_hub.json" if fresh else f"local_hub-{model}.json")
-            if not (self.reuse and out.exists()):
-                steps.local_hub(study.family, models, datasets, str(self.cache), str(out),
-                                self.run.weights)
+            if self._make(out):
+                steps.local_hub(study.family, models, datasets, str(self.cache), str(out), self.run.weights)
             self._hub.setdefault(study.name, out)
         self._hub.setdefault(study.name, None)
 
@@ -289,10 +288,11 @@ def measure(study: config.Study, model: str, setting: str, target: dict[str, Any
     snapshot = artifacts.read_json(ckpt, "checkpoint")["snapshot"]
     rows = []
     for graph in steps._family(family).graphs(st, arch):
-        rows.append(measure_graph(study, model, setting, graph, target, snapshot, str(ckpt), builds, args, done))
-        rows[-1]["seconds"] = dict(seconds)
+        row = measure_graph(study, model, setting, graph, target, snapshot, str(ckpt), builds, args, done)
+        if row is not None:  # None: a compile worker, which only opens
+            rows.append({**row, "seconds": dict(seconds)})
         seconds.clear()
-    return [] if args.open_only else rows
+    return rows
 
 
 def compile_in_workers(model: str, setting: str, engines: list[str], args: argparse.Namespace) -> None:
@@ -318,23 +318,29 @@ def compile_in_workers(model: str, setting: str, engines: list[str], args: argpa
 
 
 def measure_graph(study: config.Study, model: str, setting: str, graph: str, target: dict[str, Any], snapshot: str,
-                  ckpt: str, builds: dict[str, dict[str, Any]], args: argparse.Namespace, done) -> dict[str, Any]:
-    """One graph of the built baseline and candidate against the plain ones: open, check, time, profile."""
+                  ckpt: str, builds: dict[str, dict[str, Any]], args: argparse.Namespace,
+                  done) -> dict[str, Any] | None:
+    """One graph of the built baseline and candidate against the plain ones: open, check, time, profile.
+    A compile worker (--open-only) opens its one engine and returns None."""
     family, st = study.family, study.setting(setting)
     baseline, candidate = study.baseline(setting), study.raw["candidate"]
     on = "" if graph == "main" else f" {graph}"  # in the step names of a family with several graphs
     example = steps._example_inputs(family, snapshot, graph, st, builds[baseline]["spec"]["precision"])
     runners, fp8_layers = {}, {}
+
+    def opens(engine: str) -> bool:  # a compile worker opens its own engine alone
+        return args.open_only in (None, engine)
+
     for v in (baseline, candidate):
-        if not args.open_only or args.open_only == f"project {v}":
+        if opens(f"project {v}"):
             with fx_graph_cache() as cache:
                 runners[f"project {v}"] = steps._runners(family, builds[v], study.recipe, ckpt, st, target,
                                                          [graph])[graph]
             done(f"project {v}{on}: open (compile, capture{cache})")
-        module = plain.model(family, snapshot, st, builds[v], target["device"], graph)
-        fp8_layers[v] = {"project": len(builds[v]["fp8_layers"]),
-                         "plain": sum(isinstance(m, plain.fp8.FP8Linear) for m in module.modules())}
-        if not args.open_only or args.open_only == f"plain {v}":
+        if opens(f"plain {v}"):
+            module = plain.model(family, snapshot, st, builds[v], target["device"], graph)
+            fp8_layers[v] = {"project": len(builds[v]["fp8_layers"]),
+                             "plain": sum(isinstance(m, plain.fp8.FP8Linear) for m in module.modules())}
             # Inputs of its own: a plain graph may write into them (plain GPT-Neo's decode, its caches).
             with fx_graph_cache() as cache:
                 runners[f"plain {v}"] = torch_backend.Runner(module, {k: t.clone() for k, t in example.items()},
@@ -343,7 +349,7 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
     if args.open_only:
         for runner in runners.values():
             runner.replay()  # a CPU runner compiles on its first timed call
-        return {}
+        return None
     outputs = {name: r(example) for name, r in runners.items()}
     layers = fp8_layers_agree(runners[f"project {candidate}"].eager, runners[f"plain {candidate}"].eager,
                               runners[f"project {candidate}"].static_inputs, plain.layer_prefix(family))

@@ -131,7 +131,6 @@ def test_budget_stops_cleanly_before_a_setting_and_keeps_the_issue_order(bench, 
     assert "not run: fnet-base/w128" in capsys.readouterr().out
 
 
-
 def test_compile_workers_compile_the_engines_this_process_then_reads(bench, tmp_path, monkeypatch):
     # The tiny run with its CPU engines compiled, into an inductor cache of this test's own: every FX
     # graph this process compiles must come from the cache the four workers filled, none compiled anew.
@@ -154,6 +153,7 @@ def test_compile_workers_compile_the_engines_this_process_then_reads(bench, tmp_
     hits = counters["inductor"]["fxgraph_cache_hit"] - before.get("fxgraph_cache_hit", 0)
     misses = counters["inductor"]["fxgraph_cache_miss"] - before.get("fxgraph_cache_miss", 0)
     assert (hits, misses) == (4, 0)
+
 
 H200_OUTPUT = ROOT / "results" / "h200-torch-vs-plain"
 # The device calls after the fixes, in the order run (before/ is the first run, before them).

@@ -40,9 +40,9 @@ the four engines (quantstudy.timing.kernel_profile: the family's kernel groups a
 kernels with their launches per call). The most important settings run first (PRIORITY);
 --budget-s stops before a setting that would not finish in time (as long as the longest one so
 far), and what ran is printed and written; the JSON is written after every setting.
---compile-workers compiles a setting's four engines side by side, a process each, into inductor's
-on-disk caches, and then opens them here from those caches: Deformable DETR's four engines take
-~230 s instead of ~520 s on the H200 node's 16 cores (results/h200-torch-vs-plain/README.md).
+--compile-workers compiles a setting's two plain engines side by side, a process each, into inductor's
+on-disk caches, and then opens them here from those caches (the project's engines are compiled by
+their builds, and opened from what the build saved, as in the workflow).
 """
 
 from __future__ import annotations
@@ -276,13 +276,16 @@ def measure(study: config.Study, model: str, setting: str, target: dict[str, Any
         if inputs._make(out):
             steps.build({"target": target["target"], "model": model, "setting": engine.name, "variant": v}, family,
                         target, setting_params(engine), arch, study.variants[v].spec(engine), study.recipe, str(ckpt),
-                        str(amax) if study.variants[v].has_fp8(engine) else None, str(out))
+                        str(amax) if study.variants[v].has_fp8(engine) else None, str(out),
+                        serves=[setting_params(study.setting(s)) for s in
+                                study.served_settings(target["target"], model, engine.name, v)])
         builds[v] = artifacts.read_json(out, "build")
         if builds[v]["status"] != "ok":
             raise RuntimeError(f"the project's build of {v} failed:\n{builds[v]['error']}")
     done("project builds")
     if args.compile_workers and not args.open_only:
-        engines = [f"{impl} {v}" for v in (baseline, candidate) for impl in ("project", "plain")]
+        # The project's engines were compiled by their builds; the plain ones are compiled here.
+        engines = [f"plain {v}" for v in (baseline, candidate)]
         compile_in_workers(model, setting, engines, args)
         done("compile workers (one process per engine, in parallel)")
     snapshot = artifacts.read_json(ckpt, "checkpoint")["snapshot"]
@@ -325,7 +328,7 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
     family, st = study.family, study.setting(setting)
     baseline, candidate = study.baseline(setting), study.raw["candidate"]
     on = "" if graph == "main" else f" {graph}"  # in the step names of a family with several graphs
-    example = steps._example_inputs(family, snapshot, graph, st, builds[baseline]["spec"]["precision"])
+    example = steps.example_inputs(family, snapshot, graph, st, builds[baseline]["spec"]["precision"])
     runners, fp8_layers = {}, {}
 
     def opens(engine: str) -> bool:  # a compile worker opens its own engine alone
@@ -334,8 +337,8 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
     for v in (baseline, candidate):
         if opens(f"project {v}"):
             with fx_graph_cache() as cache:
-                runners[f"project {v}"] = steps._runners(family, builds[v], study.recipe, ckpt, st, target,
-                                                         [graph])[graph]
+                runners[f"project {v}"] = steps.open_engines(family, builds[v], study.recipe, ckpt, st,
+                                                             steps._target(target), [graph])[graph]
             done(f"project {v}{on}: open (compile, capture{cache})")
         if opens(f"plain {v}"):
             module = plain.model(family, snapshot, st, builds[v], target["device"], graph)
@@ -351,7 +354,7 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
             runner.replay()  # a CPU runner compiles on its first timed call
         return None
     outputs = {name: r(example) for name, r in runners.items()}
-    layers = fp8_layers_agree(runners[f"project {candidate}"].eager, runners[f"plain {candidate}"].eager,
+    layers = fp8_layers_agree(runners[f"project {candidate}"].module, runners[f"plain {candidate}"].module,
                               runners[f"project {candidate}"].static_inputs, plain.layer_prefix(family))
     result_check = check(outputs, fp32_outputs(family, snapshot, st, graph, example, target["device"]), baseline,
                          candidate, layers)

@@ -79,6 +79,8 @@ def walk(root: str | Path) -> list[dict[str, Any]]:
         if doc.get("schema") == "build" and doc.get("status") == "ok":
             for g, e in doc["graphs"].items():
                 visit(e["engine"], depth + 1, e["engine_sha256"], p, f"engine of graph {g}")
+                if "compiled" in e:
+                    visit(e["compiled"], depth + 1, e["compiled_sha256"], p, f"compiled program of graph {g}")
         for name, entry in prov.get("inputs", {}).items():
             visit(entry["path"], depth + 1, entry["sha256"], p, f"input {name}")
 
@@ -135,6 +137,8 @@ def check_chain(tables_json: str | Path) -> dict[str, Any]:
         for (timing, t), (quality, q) in ((t, q) for t in jobs.get("time", []) for q in jobs.get("evaluate", [])):
             if t["engine_sha256"] != q["engine_sha256"]:
                 problems.append(f"{timing} and {quality} measured different engines of {build}")
+            elif t.get("compiled_sha256") != q.get("compiled_sha256"):
+                problems.append(f"{timing} and {quality} opened different compiled programs of {build}")
             elif "probe" in t and "probe" in q and (why := probes_differ(t["probe"], q["probe"])):
                 problems.append(f"{timing} and {quality} got different answers from the engine of {build}: {why}")
     return {"files_checked": len({s["path"] for s in steps}), "problems": problems}

@@ -167,6 +167,13 @@ class Study:
         `engine:` names (one dynamic-shape engine serving several settings)."""
         return _engine_of(self.raw["settings"], setting)
 
+    def served_settings(self, target: str, model: str, setting: str, variant: str) -> list[str]:
+        """The settings whose jobs open the engine built at `setting`: itself first, then those whose
+        `engine:` names it. The engine is built for each of their shapes."""
+        served = [s for t, m, s, v in self.engines([target])
+                  if (m, v) == (model, variant) and self.engine_setting(s) == setting]
+        return sorted(dict.fromkeys([setting, *served]), key=lambda s: s != setting)
+
     def builds(self, run_targets):
         """(target, model, setting, variant) of every engine built: those the study measures, each
         shared engine once, under the setting that builds it."""

@@ -20,6 +20,7 @@ too low (on the H200 at FNet's batch-1 shapes it put g near 1, and the bound bel
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import tempfile
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantstudy import quantization
+from quantstudy import backends, quantization
 from quantstudy import timing as qt
 
 # An FP8 GEMM among the ops or kernels a profiled FP8 stack ran (torch._scaled_mm; e4m3 kernels
@@ -112,20 +113,23 @@ def _stack(shapes: list[tuple[dict[str, Any], int, str]], precision: str, seed: 
     return GemmStack(layers).eval(), inputs
 
 
-def _engines(shapes: list[tuple[dict[str, Any], int, str]], precision: str, target: dict[str, Any], folder: Path,
+def _engines(shapes: list[tuple[dict[str, Any], int, str]], precision: str, target, folder: Path,
              seed: int) -> list:
     """One runner per shape, built and opened by the target's backend as the build and time steps do.
+    A module backend runs the stack uncompiled: a GEMM alone gains nothing from torch.compile (it
+    calls the same cuBLAS GEMM and torch._scaled_mm), and this job compiles nothing.
     A backend that builds from ONNX gets one export of all the shapes, cut into a graph per shape
     (onnx.utils.extract_model keeps the exported nodes as they are): an export costs seconds, a cut
     milliseconds."""
-    from quantstudy import backends, export
+    from quantstudy import export
 
-    backend = backends.get(target["backend"])
-    if getattr(backend, "INPUT", "module") != "onnx":
+    backend = backends.get(target.backend)
+    if backend.builds_from == "module":
+        target = dataclasses.replace(target, compile=False)
         runners = []
         for i, shape in enumerate(shapes):
             module, example = _stack([shape], precision, seed)
-            backend.build(module, folder / f"shape{i}")
+            backend.build(module, folder / f"shape{i}", target, backends.Shapes((example,)))
             runners.append(backend.open(folder / f"shape{i}", example, target, _stack([shape], precision, seed)[0]))
         return runners
     import onnx.utils
@@ -139,15 +143,15 @@ def _engines(shapes: list[tuple[dict[str, Any], int, str]], precision: str, targ
         cut = folder / f"shape{i}" / "onnx" / export.ONNX_FILE
         cut.parent.mkdir(parents=True)
         onnx.utils.extract_model(whole, str(cut), [f"x{j}" for j in names], [f"y{j}" for j in names])
-        backend.build(cut, folder / f"shape{i}" / "engine", target)
-        runners.append(backend.open(folder / f"shape{i}" / "engine", {f"x{j}": example[f"x{j}"] for j in names},
-                                    target))
+        cut_example = {f"x{j}": example[f"x{j}"] for j in names}
+        backend.build(cut, folder / f"shape{i}" / "engine", target, backends.Shapes((cut_example,)))
+        runners.append(backend.open(folder / f"shape{i}" / "engine", cut_example, target))
     return runners
 
 
-def _profile(runner) -> dict[str, Any]:
+def _profile(backend, runner) -> dict[str, Any]:
     """The backend's profile of PROFILED_CALLS calls of a stack, every op or kernel its own group."""
-    return qt.profile_runner(runner, PROFILED_CALLS, lambda region, name, device, op: name, {quantization.FP8_REGION})
+    return backend.profile(runner, PROFILED_CALLS, lambda region, name, device, op: name, {quantization.FP8_REGION})
 
 
 def _gemm_ms(profile: dict[str, Any], copies: int, stack: str) -> float:
@@ -160,7 +164,7 @@ def _gemm_ms(profile: dict[str, Any], copies: int, stack: str) -> float:
     return ms / copies
 
 
-def time_shapes(shapes: list[tuple[dict[str, Any], int, str]], target: dict[str, Any], timing: dict[str, int],
+def time_shapes(shapes: list[tuple[dict[str, Any], int, str]], target, timing: dict[str, int],
                 seed: int = 0, log=None) -> list[dict[str, Any]]:
     """fp16 against FP8 at each GEMM shape ((call, copies, work precision): `copies` GEMMs a call),
     timed side by side on the target's backend (per-call summaries) and profiled: per-GEMM time of
@@ -171,10 +175,10 @@ def time_shapes(shapes: list[tuple[dict[str, Any], int, str]], target: dict[str,
         engines = {p: _engines(shapes, p, target, Path(tmp) / p, seed) for p in ("fp16", "fp8")}
         for i, (call, copies, work) in enumerate(shapes):
             runners = {p: engines[p][i] for p in engines}
-            with qt.device_lock(target["device"]):
+            with qt.device_lock(target.device):
                 result = qt.time_interleaved(runners, timing["warmup"], timing["rounds"], timing["calls_per_round"],
                                              (lambda line: log(f"{shape_key(call)}: {line}")) if log else None)
-                profiles = {p: _profile(r) for p, r in runners.items()}
+                profiles = {p: _profile(backends.get(target.backend), r) for p, r in runners.items()}
             # What the FP8 stack ran: its ops or kernels by name, with ms per call (top 8).
             ran = [{"name": n, "ms": ms} for n, ms in
                    sorted(profiles["fp8"]["groups_ms"].items(), key=lambda kv: -kv[1])[:8]]
@@ -192,7 +196,7 @@ def time_shapes(shapes: list[tuple[dict[str, Any], int, str]], target: dict[str,
     return results
 
 
-def time_calls(calls_by_variant: dict[str, list[dict[str, Any]]], work: dict[str, str], target: dict[str, Any],
+def time_calls(calls_by_variant: dict[str, list[dict[str, Any]]], work: dict[str, str], target,
                timing: dict[str, int], log=None) -> dict[str, dict[str, Any]]:
     """{shape key: time_shapes(...)} over the distinct shapes of several variants' calls; a shape's
     copies are the most calls any one variant makes at it. `work`: each variant's precision."""

@@ -19,7 +19,6 @@ memory are written to the job's log instead.
 from __future__ import annotations
 
 import contextlib
-import glob
 import importlib
 import os
 import pickle
@@ -119,12 +118,13 @@ def _receive(s: socket.socket) -> tuple[Any, list[int]]:
 
 # --- the server -----------------------------------------------------------------------------
 
-def start(on_gpu_hosts: bool = False) -> subprocess.Popen | None:
+def start() -> subprocess.Popen | None:
     """Start a server for this Snakemake process and export its address to the jobs; None where
-    fork is unavailable or the server did not start, and on a host with NVIDIA GPUs unless
-    `on_gpu_hosts`: there a job's work outweighs its imports (CUDA in forked workers is tested,
-    tests/test_jobserver.py). Returns once the server serves (it has imported PRELOAD)."""
-    if sys.platform != "linux" or (not on_gpu_hosts and glob.glob("/dev/nvidia[0-9]*")):
+    fork is unavailable or the server did not start. GPU hosts too: once engines are compiled in
+    `build`, a measurement job's imports (about 10 s on an H200 node) outweigh its opening and
+    measuring (CUDA in forked workers is tested, tests/test_jobserver.py). Returns once the server
+    serves (it has imported PRELOAD)."""
+    if sys.platform != "linux":
         return None
     address = os.path.join(tempfile.mkdtemp(prefix="quantstudy-jobs-"), "socket")
     server = subprocess.Popen([sys.executable, "-m", "quantstudy.jobserver", address, str(os.getpid())],

@@ -13,6 +13,7 @@ dtype names are torch's (`float8_e4m3fn`, `float16`, `float32`) for every backen
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import struct
@@ -138,14 +139,14 @@ def onnx_graph(path: str | Path, fp8_layers: list[str]) -> dict[str, Any]:
             **({"unmatched_layers": unmatched} if unmatched else {})}
 
 
-def measurements(ident: dict[str, Any], target: dict[str, Any], build_doc: dict[str, Any], build_json: str,
+def measurements(ident: dict[str, Any], target, build_doc: dict[str, Any], build_json: str,
                  linear_layers: dict[str, list[str]] | None, amax_json: str | None, export_doc: dict[str, Any] | None,
                  export_json: str | None, out: str, started: str) -> None:
     """Write the measurements record of an ok build (build_doc, as written to build_json). A torch build
     gives its variant modules' linear layers by graph (`linear_layers`); an ONNX graph names its own."""
     from quantstudy import backends
 
-    backend = backends.get(target["backend"])
+    backend = backends.get(target.backend)
     fp8_layers, precision = build_doc["fp8_layers"], build_doc["precision"]
     options = backend.builder_options(target)
     fp8_path = options.pop("fp8_path")
@@ -155,6 +156,8 @@ def measurements(ident: dict[str, Any], target: dict[str, Any], build_doc: dict[
         onnx = NOT_EXPORTED
         for name, e in build_doc["graphs"].items():
             graphs[name] = {"engine": e["engine"], "engine_sha256": e["engine_sha256"],
+                            "compiled": ({"path": e["compiled"], "sha256": e["compiled_sha256"], "shapes": e["shapes"]}
+                                         if "compiled" in e else NONE),
                             "layers": torch_layers(e["engine"], fp8_layers, linear_layers[name], precision,
                                                    build_doc.get("dequantize_dtype") if fp8_layers else None)}
     else:
@@ -174,12 +177,12 @@ def measurements(ident: dict[str, Any], target: dict[str, Any], build_doc: dict[
               **({"export": export_json} if export_json else {})}
     write_json(out, "measurements", {
         "status": "ok", **ident,
-        "backend": {"name": target["backend"], "version": importlib.import_module(target["backend"]).__version__,
-                    "pinned_version": str(target.get("version") or NONE), "device": target["device"]},
+        "backend": {"name": target.backend, "version": importlib.import_module(target.backend).__version__,
+                    "pinned_version": str(target.version or NONE), "device": target.device},
         "precision": precision, "fp8_layers": {"count": len(fp8_layers), "names": sorted(fp8_layers) or NONE},
         "fp8_path": fp8_path, "amax": {"path": amax_json, "sha256": sha256_file(amax_json)} if amax_json else NONE,
         "onnx": onnx, "builder": options, "graphs": graphs,
-        "provenance": provenance("build", inputs, {"target": target}, started)})
+        "provenance": provenance("build", inputs, {"target": dataclasses.asdict(target)}, started)})
 
 
 def failed(ident: dict[str, Any], error: str, build_json: str, out: str, started: str) -> None:

@@ -262,11 +262,34 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
 
 # --- engines ---------------------------------------------------------------------------------
 
-def _failure(kind: str, out: str, ident: dict[str, Any], error: str, rule: str, inputs: dict, params: dict,
-             started: str, **extra) -> None:
-    log.error("%s failed: %s", rule, error.strip().splitlines()[-1] if error.strip() else error)
-    write_json(out, kind, {"status": "failed", **ident, **extra, "error": error,
-                           "provenance": provenance(rule, inputs, params, started)})
+def _target(target: dict[str, Any]):
+    """A target as rules pass it (plain values, so that Snakemake sees a change) -> config.Target."""
+    from quantstudy.config import Target
+
+    return Target(**{"name": target["target"], **{k: v for k, v in target.items() if k != "target"}})
+
+
+def _record(kind: str, rule: str, out: str, ident: dict[str, Any], inputs: dict[str, Any], params: dict[str, Any],
+            measure, on_failure: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The one way a step writes what it measured: `measure()`'s fields as the ok record, or, if it
+    raises, the failed record (_failed). A failure is a result: it is written, never raised. Returns
+    the record written."""
+    started = now()
+    try:
+        doc = {"status": "ok", **ident, **measure()}
+    except Exception:
+        return _failed(kind, rule, out, ident, inputs, params, started, traceback.format_exc(), on_failure)
+    write_json(out, kind, {**doc, "provenance": provenance(rule, inputs, params, started)})
+    return doc
+
+
+def _failed(kind: str, rule: str, out: str, ident: dict[str, Any], inputs: dict[str, Any], params: dict[str, Any],
+            started: str, error: str, on_failure: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The failed record of a step: the whole traceback as its error (and `on_failure`'s fields)."""
+    log.error("%s failed: %s", rule, error.strip().splitlines()[-1])
+    doc = {"status": "failed", **ident, **(on_failure or {}), "error": error}
+    write_json(out, kind, {**doc, "provenance": provenance(rule, inputs, params, started)})
+    return doc
 
 
 def _variant_modules(family: str, checkpoint_dir: str, setting, spec: dict, recipe: dict, amax_doc: dict | None,
@@ -280,8 +303,9 @@ def _variant_modules(family: str, checkpoint_dir: str, setting, spec: dict, reci
             for g in graphs}
 
 
-def _example_inputs(family: str, checkpoint_dir: str, graph: str, setting, precision: str) -> dict[str, Any]:
-    """The family's example inputs of a graph, floating ones in the variant's precision."""
+def example_inputs(family: str, checkpoint_dir: str, graph: str, setting, precision: str) -> dict[str, Any]:
+    """The family's example inputs of a graph at a setting, floating ones in the variant's precision:
+    what an engine is built for, timed on and probed with."""
     from quantstudy import quantization
 
     return quantization.cast_inputs(_family(family).example_inputs(checkpoint_dir, graph, setting), precision)
@@ -304,37 +328,38 @@ def export(ident: dict[str, Any], family: str, setting: dict[str, Any], architec
     """Export each graph of one variant to ONNX (fp32, fp16, FP8 Q/DQ). A failure is recorded."""
     from quantstudy import export as qe
 
-    started = now()
     inputs = {"checkpoint": checkpoint_json, **({"amax": amax_json} if amax_json else {})}
     params = {"spec": spec, "recipe": recipe, "setting": setting, "opset": opset or qe.OPSET}
-    try:
+
+    def measure() -> dict[str, Any]:
         _deterministic()
         amax_doc = read_json(amax_json, "amax") if amax_json else None
         fam, st, ckpt = _family(family), _setting(setting), _snapshot(checkpoint_json)
         specs, graphs, summary = fam.graphs(st, architecture), {}, {}
         for name, (model, summary) in _variant_modules(family, ckpt, st, spec, recipe, amax_doc, specs).items():
-            info = qe.export(model, _example_inputs(family, ckpt, name, st, spec["precision"]), Path(out).parent / name,
+            info = qe.export(model, example_inputs(family, ckpt, name, st, spec["precision"]), Path(out).parent / name,
                              opset or qe.OPSET, _dynamic(specs[name]))
             if sorted(info["fp8_layers"]) != summary["fp8_layers"]:
                 raise RuntimeError(f"the {name} ONNX has Q/DQ for {info['fp8_layers']}, the variant's FP8 layers "
                                    f"are {summary['fp8_layers']}")
             graphs[name] = {**info, "onnx_sha256": sha256_path(info["onnx"])}
             log.info("exported %s %s: %s, %d bytes", ident, name, info["op_counts"], info["onnx_bytes"])
-        write_json(out, "export", {"status": "ok", **ident, "spec": spec, **summary, "graphs": graphs,
-                                   "provenance": provenance("export", inputs, params, started)})
-    except Exception:
-        _failure("export", out, ident, traceback.format_exc(), "export", inputs, params, started, spec=spec)
+        return {"spec": spec, **summary, "graphs": graphs}
+
+    _record("export", "export", out, ident, inputs, params, measure, {"spec": spec})
 
 
 def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any],
           architecture: dict[str, Any], spec: dict[str, Any], recipe: dict[str, Any], checkpoint_json: str,
-          amax_json: str | None, out: str, export_json: str | None = None) -> None:
+          amax_json: str | None, out: str, export_json: str | None = None,
+          serves: list[dict[str, Any]] | None = None) -> None:
     """Build one engine per graph (variant x target), then its measurements record beside `out`
     (measurements.json, record.py), read from the engine and ONNX files. A build that raises, or whose
     record cannot be made, is recorded as failed, in both files.
 
-    The torch backend builds from the variant module; onnxruntime and tensorrt from the
-    variant's exported ONNX (`export_json`).
+    A backend that builds from the module gets the variant module; one that builds from ONNX, the
+    variant's exported ONNX (`export_json`). The engine is built for every setting whose jobs will
+    open it (`serves`: this setting, then those whose `engine:` names it), and for no other shape.
     """
     from quantstudy import backends, record
 
@@ -342,44 +367,55 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
     out_measurements = str(Path(out).with_name(record.FILE))
     inputs = {"checkpoint": checkpoint_json, **({"amax": amax_json} if amax_json else {}),
               **({"export": export_json} if export_json else {})}
-    params = {"spec": spec, "recipe": recipe, "target": target, "setting": setting}
-    try:
+    params = {"spec": spec, "recipe": recipe, "target": target, "setting": setting, "serves": serves}
+    made: dict[str, Any] = {}  # what the measurements record needs besides the build record
+
+    def measure() -> dict[str, Any]:
         _deterministic()
         amax_doc = read_json(amax_json, "amax") if amax_json else None
-        backend = backends.get(target["backend"])
-        st, engines, linear = _setting(setting), {}, None
+        tgt = _target(target)
+        backend = backends.get(tgt.backend)
+        st, engines, ckpt = _setting(setting), {}, _snapshot(checkpoint_json)
+        served = [_setting(s) for s in serves or [setting]]
         graphs = _family(family).graphs(st, architecture)
-        exported = None
-        if getattr(backend, "INPUT", "module") == "onnx":
-            exported = read_json(export_json, "export")
+
+        def shapes(name: str):
+            return backends.Shapes(tuple(example_inputs(family, ckpt, name, s, spec["precision"]) for s in served),
+                                   _profile(graphs[name]))
+        if backend.builds_from == "onnx":
+            exported = made["export"] = read_json(export_json, "export")
             if exported["status"] != "ok":
                 raise RuntimeError(f"the export of {ident['variant']} failed, so it cannot be built:\n"
                                    f"{exported['error']}")
             summary = {k: v for k, v in exported.items() if k not in _EXPORT_KEYS}
             for name, g in exported["graphs"].items():
-                engines[name] = backend.build(g["onnx"], Path(out).parent / name, target, _profile(graphs[name]))
+                engines[name] = backend.build(g["onnx"], Path(out).parent / name, tgt, shapes(name))
         else:
-            modules = _variant_modules(family, _snapshot(checkpoint_json), st, spec, recipe, amax_doc, graphs)
-            linear = {name: _linear_layers(model) for name, (model, _) in modules.items()}
+            modules = _variant_modules(family, ckpt, st, spec, recipe, amax_doc, graphs)
+            made["linear"] = {name: _linear_layers(model) for name, (model, _) in modules.items()}
             for name, (model, summary) in modules.items():
-                engines[name] = backend.build(model, Path(out).parent / name)
+                engines[name] = backend.build(model, Path(out).parent / name, tgt, shapes(name))
         for engine in engines.values():  # what every job that opens it checks, and the audit
             engine["engine_sha256"] = artifacts.sha256_file(engine["engine"])
+            if "compiled" in engine:
+                engine["compiled_sha256"] = artifacts.sha256_file(engine["compiled"])
         calibration = None
         if amax_doc:
             calibration = {"amax": {n: amax_doc["amax"][n] for n in summary["fp8_layers"]},
                            "outliers": amax_doc["outliers"]}
         engine_bytes = sum(e["engine_bytes"] for e in engines.values())
         log.info("built %s: %d FP8 layers, %d bytes", ident, len(summary["fp8_layers"]), engine_bytes)
-        write_json(out, "build", {"status": "ok", **ident, "spec": spec, **summary, "graphs": engines,
-                                  "engine_bytes": engine_bytes, "calibration": calibration,
-                                  "provenance": provenance("build", inputs, params, started)})
-        record.measurements(ident, target, read_json(out, "build"), out, linear, amax_json, exported, export_json,
-                            out_measurements, started)
-    except Exception:
-        error = traceback.format_exc()
-        _failure("build", out, ident, error, "build", inputs, params, started, spec=spec)
-        record.failed(ident, error, out, out_measurements, started)
+        return {"spec": spec, **summary, "graphs": engines, "engine_bytes": engine_bytes, "calibration": calibration}
+
+    doc = _record("build", "build", out, ident, inputs, params, measure, {"spec": spec})
+    if doc["status"] == "ok":
+        try:
+            record.measurements(ident, _target(target), read_json(out, "build"), out, made.get("linear"), amax_json,
+                                made.get("export"), export_json, out_measurements, started)
+            return
+        except Exception:  # a build whose record cannot be made is a failed build
+            doc = _failed("build", "build", out, ident, inputs, params, started, traceback.format_exc(), {"spec": spec})
+    record.failed(ident, doc["error"], out, out_measurements, started)
 
 
 def _linear_layers(model) -> list[str]:
@@ -393,32 +429,47 @@ def _linear_layers(model) -> list[str]:
 
 # What an export JSON says of itself, not of the variant: a build does not copy these.
 _EXPORT_KEYS = {"schema", "schema_version", "status", "provenance", "graphs", "spec", "model", "setting", "variant"}
+# The files of a built graph that every job opening it checks, with where build.json records their sha256.
+_ENGINE_FILES = {"engine": "engine_sha256", "compiled": "compiled_sha256"}
 
 
-def _runners(family: str, build_doc: dict[str, Any], recipe: dict, checkpoint_json: str, setting,
-             target: dict[str, Any], graphs: list[str] | None = None) -> dict[str, Any]:
-    """Open a built variant's engines as runners ({graph: runner}) at the setting's example inputs."""
+def open_engines(family: str, build_doc: dict[str, Any], recipe: dict, checkpoint_json: str, setting,
+                 target, graphs: list[str] | None = None) -> dict[str, Any]:
+    """A built variant's engines, opened through the backend contract as runners ({graph: runner}) at
+    the setting's example inputs. Each engine's files must be those the build wrote (sha256)."""
     from quantstudy import backends
 
     if build_doc["status"] != "ok":
         raise RuntimeError(f"the build of {build_doc['variant']} failed, so it cannot be measured")
     ckpt = _snapshot(checkpoint_json)
-    backend = backends.get(target["backend"])
+    backend = backends.get(target.backend)
     names = [g for g in build_doc["graphs"] if graphs is None or g in graphs]
     skeletons = {}
-    if getattr(backend, "INPUT", "module") == "module":  # an ONNX engine carries its own structure
+    if backend.builds_from == "module":  # an ONNX engine carries its own structure
         skeletons = {g: m for g, (m, _) in _variant_modules(family, ckpt, setting, build_doc["spec"], recipe,
                                                              build_doc.get("calibration"), names).items()}
     for g in names:
-        recorded, path = build_doc["graphs"][g]["engine_sha256"], build_doc["graphs"][g]["engine"]
-        if artifacts.sha256_file(path) != recorded:
-            raise RuntimeError(f"the engine {path} is not the one the build of {build_doc['variant']} made (its sha256 "
-                               f"differs from the build's {recorded}); rebuild it: snakemake --force "
-                               f"{Path(path).parent.parent / 'build.json'}")
+        for key, digest in _ENGINE_FILES.items():
+            path = build_doc["graphs"][g].get(key)
+            if path and artifacts.sha256_file(path) != build_doc["graphs"][g][digest]:
+                raise RuntimeError(f"{path} is not the file the build of {build_doc['variant']} made (its sha256 "
+                                   f"differs from the build's); rebuild it: snakemake --forcerun build "
+                                   f"{Path(path).parent.parent / 'build.json'}")
     precision = build_doc["spec"]["precision"]
-    return {g: backend.open(Path(build_doc["graphs"][g]["engine"]).parent,
-                            _example_inputs(family, ckpt, g, setting, precision), target, skeletons.get(g))
+    examples = {g: example_inputs(family, ckpt, g, setting, precision) for g in names}
+    for g in names:  # a torch engine runs the shapes it was built for, and no other
+        built = build_doc["graphs"][g].get("shapes")
+        wanted = {k: list(v.shape) for k, v in examples[g].items()}
+        if built is not None and wanted not in built:
+            raise RuntimeError(f"the {g} engine of {build_doc['variant']} was built for {built}, not for setting "
+                               f"{setting.name}'s {wanted}: its build must serve that setting (`engine:`)")
+    return {g: backend.open(Path(build_doc["graphs"][g]["engine"]).parent, examples[g], target, skeletons.get(g))
             for g in names}
+
+
+def _opened(runners: dict[str, Any]) -> dict[str, float]:
+    """{graph: seconds} it took to open each engine that a job opened from a compiled program."""
+    return {g: round(r.open_seconds, 3) for g, r in runners.items() if getattr(r, "open_seconds", None) is not None}
 
 
 def _probe(family: str, build_doc: dict[str, Any], checkpoint_json: str, setting, runners: dict[str, Any]
@@ -431,7 +482,7 @@ def _probe(family: str, build_doc: dict[str, Any], checkpoint_json: str, setting
     precision, ckpt, probe = build_doc["spec"]["precision"], _snapshot(checkpoint_json), {}
     for g, runner in runners.items():
         with torch.no_grad():
-            outs = runner(_example_inputs(family, ckpt, g, setting, precision))
+            outs = runner(example_inputs(family, ckpt, g, setting, precision))
         probe[g] = {}
         for name, t in outs.items():
             flat = t.detach().float().cpu().flatten()
@@ -443,9 +494,14 @@ def _probe(family: str, build_doc: dict[str, Any], checkpoint_json: str, setting
     return probe
 
 
-def _engine_digests(build_doc: dict[str, Any]) -> dict[str, str]:
-    """{graph: sha256} of the engines a job measured (TEST01: the timed and the evaluated engine are one file)."""
-    return {g: e["engine_sha256"] for g, e in build_doc["graphs"].items()}
+def _engine_digests(build_doc: dict[str, Any]) -> dict[str, Any]:
+    """What a job measured, by sha256 (TEST01: the timed and the evaluated engine are one file):
+    `engine_sha256` {graph: sha256} and, for a compiled engine, `compiled_sha256` {graph: sha256}."""
+    graphs = build_doc["graphs"].items()
+    digests: dict[str, Any] = {"engine_sha256": {g: e["engine_sha256"] for g, e in graphs}}
+    if any("compiled_sha256" in e for _, e in graphs):
+        digests["compiled_sha256"] = {g: e["compiled_sha256"] for g, e in graphs}
+    return digests
 
 
 def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,
@@ -455,20 +511,21 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
     `repeat`: which of the variant's separate timing jobs this is (1, 2, ...)."""
     from quantstudy import timing as qt
 
-    started = now()
     inputs = {"checkpoint": checkpoint_json, "build": build_json, "baseline_build": baseline_build_json}
     params = {"target": target, "timing": timing, "setting": setting, "repeat": repeat}
     variant_doc, base_doc = read_json(build_json, "build"), read_json(baseline_build_json, "build")
     baseline = base_doc["variant"]
-    try:
+
+    def measure() -> dict[str, Any]:
         _deterministic()
-        st = _setting(setting)
-        runners = {doc["variant"]: _runners(family, doc, recipe, checkpoint_json, st, target)
-                   for doc in (variant_doc, base_doc)}
+        st, tgt = _setting(setting), _target(target)
+        # {variant: its runners}: the variant's engines, and its baseline's (the same ones for the baseline itself)
+        runners = {doc["variant"]: open_engines(family, doc, recipe, checkpoint_json, st, tgt)
+                   for doc in {d["variant"]: d for d in (variant_doc, base_doc)}.values()}
         graphs = {}
         for g in runners[ident["variant"]]:
             pair = {name: r[g] for name, r in runners.items()}
-            with qt.device_lock(target["device"]):
+            with qt.device_lock(tgt.device):
                 result = qt.time_interleaved(pair, timing["warmup"], timing["rounds"], timing["calls_per_round"],
                                              lambda line: log.info("%s %s", g, line))
                 # Proof of FP8: the kernels the variant's FP8 GEMM ops launch (a short profile, after timing).
@@ -476,37 +533,36 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
             log.info("%s FP8 GEMMs: %s", g, fp8)
             v, b = result[ident["variant"]], result[baseline]
             graphs[g] = {"variant_ms": v, "baseline_ms": b, **qt.speedup(b["samples_ms"], v["samples_ms"]), "fp8": fp8}
-        probe = _probe(family, variant_doc, checkpoint_json, st, runners[ident["variant"]])
-        write_json(out, "timing", {"status": "ok", **ident, "repeat": repeat, "baseline": baseline, "batch": st.batch,
-                                   "shape": dict(st.shape), "graphs": graphs, "engine_sha256": _engine_digests(variant_doc),
-                                   "probe": probe,
-                                   "provenance": provenance("time", inputs, params, started)})
-    except Exception:
-        _failure("timing", out, ident, traceback.format_exc(), "time", inputs, params, started, baseline=baseline,
-                 repeat=repeat)
+        return {"repeat": repeat, "baseline": baseline, "batch": st.batch, "shape": dict(st.shape), "graphs": graphs,
+                **_engine_digests(variant_doc), "open_seconds": {v: _opened(r) for v, r in runners.items()},
+                "probe": _probe(family, variant_doc, checkpoint_json, st, runners[ident["variant"]])}
+
+    _record("timing", "time", out, ident, inputs, params, measure, {"baseline": baseline, "repeat": repeat})
 
 
 def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,
             calls: int, checkpoint_json: str, build_json: str, out: str) -> None:
     """Kernel (GPU) or op (CPU) time per call of each graph, in the family's kernel groups."""
-    from quantstudy import quantization, timing as qt
+    from quantstudy import backends, quantization, timing as qt
 
-    started = now()
     inputs = {"checkpoint": checkpoint_json, "build": build_json}
     params = {"target": target, "calls": calls, "setting": setting}
-    try:
-        fam, st = _family(family), _setting(setting)
-        runners = _runners(family, read_json(build_json, "build"), recipe, checkpoint_json, st, target)
+
+    def measure() -> dict[str, Any]:
+        _deterministic()  # as in the build: inductor's CPU code depends on the thread count
+        fam, st, tgt = _family(family), _setting(setting), _target(target)
+        build_doc = read_json(build_json, "build")
+        runners = open_engines(family, build_doc, recipe, checkpoint_json, st, tgt)
         regions = set(fam.regions) | {quantization.FP8_REGION}
         classify = functools.partial(fam.kernel_group, setting=st)
         graphs = {}
         for g, runner in runners.items():
-            with qt.device_lock(target["device"]):
-                graphs[g] = qt.profile_runner(runner, calls, classify, regions)
-        write_json(out, "kernels", {"status": "ok", **ident, "groups": fam.kernel_groups, "graphs": graphs,
-                                    "provenance": provenance("profile", inputs, params, started)})
-    except Exception:
-        _failure("kernels", out, ident, traceback.format_exc(), "profile", inputs, params, started)
+            with qt.device_lock(tgt.device):
+                graphs[g] = backends.get(tgt.backend).profile(runner, calls, classify, regions)
+        return {"groups": fam.kernel_groups, "graphs": graphs, **_engine_digests(build_doc),
+                "open_seconds": _opened(runners)}
+
+    _record("kernels", "profile", out, ident, inputs, params, measure)
 
 
 def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any],
@@ -518,13 +574,13 @@ def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
     over its summed FP8 GEMM time."""
     from quantstudy import bound, gemm as qg
 
-    started = now()
     inputs = {"checkpoint": checkpoint_json, "amax": amax_json}
     params = {"specs": specs, "recipe": recipe, "target": target, "timing": timing, "setting": setting}
-    try:
+
+    def measure() -> dict[str, Any]:
         _deterministic()
         amax_doc = read_json(amax_json, "amax")
-        fam, st, ckpt = _family(family), _setting(setting), _snapshot(checkpoint_json)
+        fam, st, ckpt, tgt = _family(family), _setting(setting), _snapshot(checkpoint_json), _target(target)
         graphs = {}
         for g in fam.graphs(st, architecture):
             calls, variants = {}, {}
@@ -535,12 +591,11 @@ def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
                     variants[variant] = {"status": "failed", "error": traceback.format_exc(), "calls": []}
                     log.error("%s %s: %s", g, variant, variants[variant]["error"].strip().splitlines()[-1])
                     continue
-                with _gpu_work(target["device"]):
-                    calls[variant] = qg.recipe_calls(model.to(target["device"]), {
-                        k: v.to(target["device"])
-                        for k, v in _example_inputs(family, ckpt, g, st, spec["precision"]).items()})
+                with _gpu_work(tgt.device):
+                    calls[variant] = qg.recipe_calls(model.to(tgt.device), {
+                        k: v.to(tgt.device) for k, v in example_inputs(family, ckpt, g, st, spec["precision"]).items()})
                 log.info("%s %s: %d FP8 GEMM calls", g, variant, len(calls[variant]))
-            shapes = qg.time_calls(calls, {v: s["precision"] for v, s in specs.items()}, target, timing,
+            shapes = qg.time_calls(calls, {v: s["precision"] for v, s in specs.items()}, tgt, timing,
                                    lambda line: log.info("%s %s", g, line))
             for variant, cs in calls.items():
                 listed = [{"layer": c["layer"], "dims": c["dims"], "shape": qg.shape_key(c)} for c in cs]
@@ -552,16 +607,16 @@ def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
                                      "emulated": any(shapes[c["shape"]]["emulated"] for c in listed)}
                 log.info("%s %s: g = %.3f", g, variant, variants[variant]["g"])
             graphs[g] = {"shapes": shapes, "variants": variants}
-        write_json(out, "gemm", {"status": "ok", **ident, "backend": target["backend"], "batch": st.batch,
-                                 "shape": dict(st.shape), "graphs": graphs, "definition": qg.DEFINITION,
-                                 "provenance": provenance("gemm", inputs, params, started)})
-    except Exception:
-        _failure("gemm", out, ident, traceback.format_exc(), "gemm", inputs, params, started)
+        return {"backend": tgt.backend, "batch": st.batch, "shape": dict(st.shape), "graphs": graphs,
+                "definition": qg.DEFINITION}
+
+    _record("gemm", "gemm", out, ident, inputs, params, measure)
 
 
 def _batched_run(runners: dict[str, Any], batch: int):
-    """The family's view of the engines: run(inputs, what, graph, whole) -> outputs, in the engine's
-    batch (or, `whole`, all rows in one call), gathered on the CPU."""
+    """The family's view of the engines: run(inputs, what, graph, whole) -> outputs gathered on the CPU.
+    Rows go to the engine `batch` at a time (`whole`: all in one call, which the engine itself runs in
+    chunks of the batch it was built for)."""
     import torch
 
     def run(inputs: dict[str, Any], what: str = "", graph: str = "main", whole: bool = False) -> dict[str, Any]:
@@ -585,28 +640,26 @@ def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting
     import torch
     from safetensors.torch import load_file
 
-    started = now()
     against_builds = against_builds or {}
     inputs = {"checkpoint": checkpoint_json, "build": build_json, "reference": reference_json,
               "reference_tensors": reference_tensors, **samples_jsons,
               **{f"against_{v}": p for v, p in against_builds.items()}}
     params = {"target": target, "metrics": metrics, "seeds": seeds, "setting": setting}
-    try:
+
+    def measure() -> dict[str, Any]:
         _deterministic()
-        st = _setting(setting)
+        st, tgt = _setting(setting), _target(target)
         build_doc = read_json(build_json, "build")
-        with _gpu_work(target["device"]), torch.no_grad():
-            runners = _runners(family, build_doc, recipe, checkpoint_json, st, target)
-            against = {v: _batched_run(_runners(family, read_json(p, "build"), recipe, checkpoint_json, st, target),
+        with _gpu_work(tgt.device), torch.no_grad():
+            runners = open_engines(family, build_doc, recipe, checkpoint_json, st, tgt)
+            against = {v: _batched_run(open_engines(family, read_json(p, "build"), recipe, checkpoint_json, st, tgt),
                                        st.batch) for v, p in against_builds.items()}
             result = _family(family).evaluate(_snapshot(checkpoint_json), _batched_run(runners, st.batch),
                                               load_file(reference_tensors), _samples(samples_jsons, family), st, metrics,
-                                              seeds, target["device"], against)
+                                              seeds, tgt.device, against)
             log.info("%s; non-finite %d", result.blocks, result.total_nonfinite)
             probe = _probe(family, build_doc, checkpoint_json, st, runners)
-        write_json(out, "quality", {"status": "ok", **ident, "blocks": result.blocks,
-                                    "engine_sha256": _engine_digests(build_doc), "probe": probe,
-                                    "nonfinite": {**result.nonfinite, "total_bad": result.total_nonfinite},
-                                    "provenance": provenance("evaluate", inputs, params, started)})
-    except Exception:
-        _failure("quality", out, ident, traceback.format_exc(), "evaluate", inputs, params, started)
+        return {"blocks": result.blocks, **_engine_digests(build_doc), "open_seconds": _opened(runners),
+                "probe": probe, "nonfinite": {**result.nonfinite, "total_bad": result.total_nonfinite}}
+
+    _record("quality", "evaluate", out, ident, inputs, params, measure)

@@ -296,16 +296,6 @@ def _outermost_gemm(op: Any) -> Any:
     return found
 
 
-def profile_runner(runner: Any, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
-    """A runner's kernel profile: the backend's own profiler where it has one (ONNX Runtime,
-    TensorRT), else torch.profiler (kernel_profile)."""
-    from quantstudy.quantization import FP8_REGION
-
-    if hasattr(runner, "kernel_profile"):
-        return runner.kernel_profile(calls, classify, FP8_REGION)
-    return kernel_profile(runner, calls, classify, regions)
-
-
 def fp8_proof(runner: Any, calls: int = 3) -> dict[str, Any]:
     """What runs the runner's FP8 layers: the GEMM path, and on a GPU the kernels that FP8 GEMM ops
     (torch._scaled_mm on float8_e4m3fn inputs) launched in a short profile of the forward."""

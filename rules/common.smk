@@ -46,10 +46,15 @@ def study(w):
     return RUN.studies[w.study]
 
 
-def setting_params(w):
+def setting_params(w, name=None):
     """The setting as plain values: a rule's params, so that a changed shape reruns its jobs."""
-    s = study(w).setting(w.setting)
+    s = study(w).setting(name or w.setting)
     return {"name": s.name, "batch": s.batch, "shape": dict(s.shape), "quality": s.quality}
+
+
+def served_settings(w):
+    """The settings an engine is built for: its own, and those whose `engine:` names it."""
+    return [setting_params(w, s) for s in study(w).served_settings(w.target, w.model, w.setting, w.variant)]
 
 
 def timing_rounds(w):

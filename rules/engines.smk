@@ -39,6 +39,7 @@ rule build:
         family=lambda w: study(w).family,
         target=target_params,
         setting=setting_params,
+        serves=served_settings,
         architecture=architecture,
         spec=variant_spec,
         recipe=lambda w: study(w).recipe,

@@ -60,13 +60,15 @@ def backend_or_skip(name: str):
     return backends.get(module)
 
 
-def target_for(name: str) -> dict:
+def target_for(name: str):
     """A target for a suite's backend name; TensorRT's timing cache outside the repository's resources/."""
     import tempfile
 
-    return {"target": f"test-{name}", "backend": name.removesuffix("-cuda"),
-            "device": "cuda" if name in ON_GPU else "cpu", "compile": name == "torch-cuda",
-            "builder": {"timing_cache_dir": str(Path(tempfile.gettempdir()) / "quantstudy-test-tensorrt-cache")}}
+    from quantstudy.config import Target
+
+    return Target(name=f"test-{name}", backend=name.removesuffix("-cuda"),
+                  device="cuda" if name in ON_GPU else "cpu", compile=name == "torch-cuda",
+                  builder={"timing_cache_dir": str(Path(tempfile.gettempdir()) / "quantstudy-test-tensorrt-cache")})
 
 
 def skip_without_gpu(reason: str) -> None:

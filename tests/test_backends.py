@@ -9,6 +9,8 @@ fp16 overflow (NaN) pattern.
 
 from __future__ import annotations
 
+import dataclasses
+
 
 import pytest
 import torch
@@ -94,11 +96,11 @@ def _run(name: str, case: Case, tmp) -> tuple[torch.Tensor, object]:
     backend = backend_or_skip(name)
     target = target_for(name)
     example = {"input_ids": case.ids[:1]}
-    if getattr(backend, "INPUT", "module") == "onnx":
-        info = backend.build(case.onnx(), tmp, target)
+    if backend.builds_from == "onnx":
+        info = backend.build(case.onnx(), tmp, target, backends.Shapes((example,)))
         runner = backend.open(tmp, example, target, None)
     else:
-        info = backend.build(case.fresh(), tmp)
+        info = backend.build(case.fresh(), tmp, target, backends.Shapes((example,)))
         runner = backend.open(tmp, example, target, case.fresh())
     assert info["engine_bytes"] > 0
     return runner({"input_ids": case.ids})["features"].float().cpu(), runner
@@ -171,6 +173,43 @@ def test_fp16_overflow_pattern_at_512(backend, variant, cases, tmp_path):
     assert bad(case.expected).any() == (variant == "fp16")
 
 
+def test_onnxruntime_sessions_skip_the_qdq_fusion(tmp_path):
+    """ONNX Runtime 1.30's QDQ fusion turns a float8 DQ -> MatMul into MatMulIntegerToFloat, which
+    rejects float8, so the backend turns the fusion off by name. A uint8 DQ -> MatMul (one the fusion
+    takes on any version) stays a MatMul in the backend's sessions: the name is the transformer's.
+    The record says so."""
+    import importlib
+
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    backend = backend_or_skip("onnxruntime")
+    module = importlib.import_module("quantstudy.backends.onnxruntime_backend")
+    import onnxruntime as ort
+
+    z, s = numpy_helper.from_array(np.uint8(3), "z"), numpy_helper.from_array(np.float32(0.1), "s")
+    w = numpy_helper.from_array(np.arange(12, dtype=np.uint8).reshape(4, 3), "w")
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["x", "s", "z"], ["xd"]),
+         helper.make_node("DequantizeLinear", ["w", "s", "z"], ["wd"]),
+         helper.make_node("MatMul", ["xd", "wd"], ["y"])],
+        "uint8-dq-matmul", [helper.make_tensor_value_info("x", TensorProto.UINT8, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [w, s, z])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.save(model, tmp_path / "model.onnx")
+
+    def optimized_ops(so) -> list[str]:
+        so.optimized_model_filepath, so.log_severity_level = str(tmp_path / "optimized.onnx"), 3
+        ort.InferenceSession(str(tmp_path / "model.onnx"), so, providers=module.PROVIDERS)
+        return [n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node]
+
+    assert "MatMulIntegerToFloat" in optimized_ops(ort.SessionOptions()), "the fusion no longer takes this graph"
+    assert "MatMulIntegerToFloat" not in optimized_ops(module._session_options(target_for("onnxruntime")))
+    assert backend.builder_options(target_for("onnxruntime"))["disabled_optimizers"] == ["QDQSelectorActionTransformer"]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_runner_interface(backend, cases, tmp_path):
     """replay/synchronize/device, and a call with more rows than the static batch (chunked)."""
@@ -193,18 +232,31 @@ def test_kernel_profile_groups(backend, cases, tmp_path):
     case = cases("fnet-base", "fp8")
     _, runner = _run(backend, case, tmp_path)
     fam = families.get("fnet")
-    result = runner.kernel_profile(2, lambda *a: fam.kernel_group(*a, setting=case.setting), quantization.FP8_REGION)
+    result = backend_or_skip(backend).profile(runner, 2, lambda *a: fam.kernel_group(*a, setting=case.setting),
+                                              {quantization.FP8_REGION})
     assert set(result["groups_ms"]) <= set(fam.kernel_groups)
     for group in ("FP8 feed-forward GEMMs", "sequence-axis DFT", "other GEMMs"):
         assert result["groups_ms"].get(group, 0) > 0, group
     assert result["total_ms"] == pytest.approx(sum(result["groups_ms"].values()))
 
 
+def _tensorrt_module():
+    """The TensorRT backend's module (its helpers besides the contract), or a skip saying why not."""
+    import importlib
+
+    backend_or_skip("tensorrt")
+    return importlib.import_module("quantstudy.backends.tensorrt_backend")
+
+
+def _no_shapes(case) -> backends.Shapes:
+    return backends.Shapes(({"input_ids": case.ids[:1]},))
+
+
 def test_tensorrt_reports_fp8_layers(cases, tmp_path):
     """The engine inspector finds every recipe layer running as an FP8 GEMM (no fp16 fallback)."""
-    backend = backend_or_skip("tensorrt")
+    backend = _tensorrt_module()
     case = cases("fnet-base", "fp8")
-    info = backend.build(case.onnx(), tmp_path, target_for("tensorrt"))
+    info = backend.build(case.onnx(), tmp_path, target_for("tensorrt"), _no_shapes(case))
     inspector = info["inspector"]
     assert inspector["recipe_fp8_layers"] == 4
     assert not inspector["fp8_fell_back"], inspector["fp8_fallback"]
@@ -214,11 +266,12 @@ def test_tensorrt_reports_fp8_layers(cases, tmp_path):
 def test_tensorrt_timing_cache_keeps_every_builds_tactics(cases, tmp_path):
     """Two builds that started from the same (empty) cache, saved one after the other: the file
     ends with the tactics of both, not only the last writer's."""
-    backend = backend_or_skip("tensorrt")
+    backend = _tensorrt_module()
     files, sizes = {}, {}
     for variant in ("fp16", "fp8"):
-        target = {**target_for("tensorrt"), "builder": {"timing_cache_dir": str(tmp_path / variant)}}
-        backend.build(cases("fnet-base", variant).onnx(), tmp_path / f"engine-{variant}", target)
+        target = dataclasses.replace(target_for("tensorrt"), builder={"timing_cache_dir": str(tmp_path / variant)})
+        case = cases("fnet-base", variant)
+        backend.build(case.onnx(), tmp_path / f"engine-{variant}", target, _no_shapes(case))
         files[variant] = backend.timing_cache_path(target)
         sizes[variant] = files[variant].stat().st_size
     config = backend.trt.Builder(backend.LOGGER).create_builder_config()
@@ -229,11 +282,11 @@ def test_tensorrt_timing_cache_keeps_every_builds_tactics(cases, tmp_path):
 
 def test_tensorrt_build_failure_carries_tensorrt_text(tmp_path):
     """A graph TensorRT rejects raises BuildError with the parser's own words."""
-    backend = backend_or_skip("tensorrt")
+    backend = _tensorrt_module()
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not an onnx file")
     with pytest.raises(backend.BuildError, match="could not parse"):
-        backend.build(bad, tmp_path / "engine", target_for("tensorrt"))
+        backend.build(bad, tmp_path / "engine", target_for("tensorrt"), backends.Shapes(()))
 
 
 def test_unknown_backend_is_a_clear_error():
@@ -243,10 +296,34 @@ def test_unknown_backend_is_a_clear_error():
     assert ok or why  # not importable here: the reason says why
 
 
-def test_onnx_input_backends_need_no_skeleton():
-    """The build step dispatches on INPUT: the ONNX backends build from the exported graph."""
-    for name in ("onnxruntime", "tensorrt"):
-        ok, _ = backends.available(name)
-        if ok:
-            assert backends.get(name).INPUT == "onnx"
-    assert getattr(backends.get("torch"), "INPUT", "module") == "module"
+def test_every_declared_backend_is_registered_and_implements_the_contract():
+    """Each `<name>_backend` module registers a Backend under its own name that implements the declared
+    protocol: what it builds from, builder options, build, open and profile. The ones that do not
+    import here are listed with the reason, not silently left out."""
+    declared = backends.names()
+    assert {"torch", "onnxruntime", "tensorrt"} <= set(declared)
+    report = []
+    for name in declared:
+        ok, why = backends.available(name)
+        if not ok:
+            report.append(f"{name}: does not import here ({why.splitlines()[0]})")
+            continue
+        backend = backends.get(name)
+        assert isinstance(backend, backends.Backend), name
+        assert backend.name == name and backend.builds_from in ("module", "onnx")
+        report.append(f"{name}: builds from {backend.builds_from}; build, open, profile, builder_options")
+    print("\n".join(report))
+    assert backends.get("torch").builds_from == "module"
+
+
+def test_a_backend_missing_part_of_the_contract_is_not_one():
+    class NoProfile:
+        name, builds_from = "x", "module"
+
+        def builder_options(self, target): ...
+
+        def build(self, source, out_dir, target, shapes): ...
+
+        def open(self, out_dir, example, target, skeleton=None): ...
+
+    assert not isinstance(NoProfile(), backends.Backend)

@@ -16,13 +16,14 @@ timm, decode against Transformers' cache) are in tests/test_family_<name>.py.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from quantstudy import config, export, families, quantization
+from quantstudy import backends, config, export, families, quantization
 from quantstudy.families.base import Family, Setting
 
 from conftest import backend_or_skip, observed_amax, target_for
@@ -194,15 +195,15 @@ def test_backend_runs_the_variant(family, graph, variant, backend, family_case, 
         expected = [fc.variant(graph, variant)(**x) for x in (example, other)]
     assert _max_rel(expected[0], expected[1]) > 1e-3, "the two inputs must give different outputs"
     target = target_for(backend)
-    if getattr(module, "INPUT", "module") == "onnx":
+    if module.builds_from == "onnx":
         info = export.export(fc.variant(graph, variant), example, tmp_path / "onnx")
         if variant == "fp8":
             assert info["fp8_layers"] == sorted(quantization.select(
                 quantization.linear_names(fc.variant(graph, "fp16")), fc.case.quantize)), "Q/DQ off the recipe"
-        module.build(info["onnx"], tmp_path / "engine", target)
+        module.build(info["onnx"], tmp_path / "engine", target, backends.Shapes((example,)))
         runner = module.open(tmp_path / "engine", example, target, None)
     else:
-        module.build(fc.variant(graph, variant), tmp_path / "engine")
+        module.build(fc.variant(graph, variant), tmp_path / "engine", target, backends.Shapes((example,)))
         skeleton = fc.variant(graph, variant, checkpoint=1)  # other weights: the engine file must replace them
         runner = module.open(tmp_path / "engine", example, target, skeleton)
     errors = [_max_rel(runner(x), want) for x, want in zip((example, other), expected)]
@@ -229,7 +230,11 @@ def test_reference_evaluator_agrees_with_onnxruntime(family, graph, family_case,
     assert info["op_counts"].get("QuantizeLinear"), "the graph has no FP8 Q/DQ to check"
     feeds = {k: v.numpy() for k, v in example.items()}
     got = ReferenceEvaluator(info["onnx"]).run(None, feeds)
-    want = ort.InferenceSession(info["onnx"], providers=["CPUExecutionProvider"]).run(None, feeds)
+    backend_or_skip("onnxruntime")  # the session as the backend opens it (its disabled fusion)
+    ort_backend = importlib.import_module("quantstudy.backends.onnxruntime_backend")
+    session = ort.InferenceSession(info["onnx"], ort_backend._session_options(target_for("onnxruntime")),
+                                   providers=ort_backend.PROVIDERS)
+    want = session.run(None, feeds)
     for g, w in zip(got, want):
         # The same fp32 graph; float32 GEMM reordering can move a value across an FP8 rounding
         # boundary, and the flip spreads: a few elements beyond float32 rounding, each bounded.

@@ -29,3 +29,46 @@ def test_evidence_readme_renders_from_its_tables(tables: Path):
 
 def test_there_is_evidence():
     assert EVIDENCE, "no committed evidence run under results/"
+
+
+BUILD_ONCE = ROOT / "results" / "h200-build-once" / "xcit"
+
+
+def test_the_build_once_run_opened_every_engine_from_its_build_and_measured_one_program():
+    """results/h200-build-once/: every torch measurement job logged opening each engine from its
+    build's compiled program with no graph compiled, in at most 15 s an engine; each variant's timing
+    and evaluation named the same compiled program, the one its build.json records."""
+    import re
+
+    logs = sorted((BUILD_ONCE / "logs").rglob("*.log"))
+    measured = [p for p in logs if p.stem in ("time", "profile", "evaluate")]
+    assert len(measured) == 20
+    for log in measured:
+        opens = re.findall(r"opened \S+ at .* in ([0-9.]+) s from compiled.bin \(FX graph cache: (\d+) hits, 0 misses\)",
+                           log.read_text())
+        # A baseline's time job opened its one engine twice (since once): the second reused the first's code.
+        assert opens and all(float(s) <= 15 for s, _ in opens) and int(opens[0][1]) >= 1, log
+    for timing in sorted((BUILD_ONCE / "results").rglob("timing.json")):
+        build = json.loads((timing.parent / "build.json").read_text())
+        recorded = {g: e["compiled_sha256"] for g, e in build["graphs"].items()}
+        assert json.loads(timing.read_text())["compiled_sha256"] == recorded
+        if (timing.parent / "quality.json").exists():
+            assert json.loads((timing.parent / "quality.json").read_text())["compiled_sha256"] == recorded
+
+
+def test_gpu_cost_sums_each_rules_benchmark_seconds():
+    """benchmarks/gpu_cost.py over the committed run: its per-rule job-seconds are the sums of the
+    TSVs' first column, and each job's opening seconds the sum of its log's `opened` lines."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("gpu_cost", ROOT / "benchmarks" / "gpu_cost.py")
+    gpu_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_cost)
+    found = gpu_cost.jobs(BUILD_ONCE, "timm_xcit")
+    times = sorted((BUILD_ONCE / "benchmarks").rglob("time.tsv"))
+    assert sum(j["seconds"] for j in found if j["rule"] == "time") == pytest.approx(
+        sum(float(p.read_text().splitlines()[1].split("\t")[0]) for p in times))
+    job = next(j for j in found if j["key"].endswith("xcit-tiny/b1/fp8/time"))
+    assert job["opens"] == 2 and job["open_seconds"] == pytest.approx(11.2, abs=0.06)
+    assert re.search(r"^time\s+8\s+142\.9\s+78\.7\s+64\.2\s+6\.6$", gpu_cost.report(found), re.M)

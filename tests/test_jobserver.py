@@ -47,7 +47,7 @@ JOB_MODULE = textwrap.dedent("""
 def server():
     if sys.platform != "linux":
         pytest.skip("the job server needs fork (Linux)")
-    proc = jobserver.start(on_gpu_hosts=True)
+    proc = jobserver.start()
     assert proc is not None, "the job server did not start (its reason is on stderr)"
     address = os.environ[jobserver.ADDRESS]
     yield proc, address

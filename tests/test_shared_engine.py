@@ -37,6 +37,9 @@ def test_a_shared_engine_is_built_once_under_its_own_setting(tmp_path):
     assert ("fnet-base", "b8-w512") in measured and ("fnet-base", "b8-w512") not in built
     assert built == measured - {("fnet-base", "b8-w512"), ("fnet-large", "b8-w512")}
     assert study.setting("b8-w512").shape == {"window": 512}  # `engine` is not a shape key
+    # Its build is built for every setting it serves, its own first; another setting's build for itself alone.
+    assert study.served_settings("cpu-torch", "fnet-base", "w512", "fp8") == ["w512", "b8-w512"]
+    assert study.served_settings("cpu-torch", "fnet-base", "w128", "fp8") == ["w128"]
 
 
 def test_a_setting_must_fit_the_engine_it_names(tmp_path):
@@ -91,8 +94,11 @@ def test_one_dynamic_engine_is_timed_at_two_sizes(backend, detr_checkpoint, tmp_
         assert json.loads(open(export_json).read())["status"] == "ok"
     build = tmp_path / "engine" / "build.json"
     steps.build({"target": target["target"], **ident}, "deformable_detr", target, SQUARE, arch, FP16, recipe,
-                str(checkpoint), None, str(build), export_json)
+                str(checkpoint), None, str(build), export_json, serves=[SQUARE, WIDE])
     assert json.loads(build.read_text())["status"] == "ok", json.loads(build.read_text()).get("error")
+    if backend == "torch":  # built for both sizes, and for no other
+        assert json.loads(build.read_text())["graphs"]["main"]["shapes"] == [
+            {"pixel_values": [1, 3, 96, 96]}, {"pixel_values": [1, 3, 96, 128]}]
     for setting in (SQUARE, WIDE):
         out = tmp_path / setting["name"] / "timing.json"
         steps.time({"target": target["target"], **ident, "setting": setting["name"]}, "deformable_detr", target,
@@ -139,3 +145,19 @@ def test_the_dag_builds_a_shared_engine_once_and_times_it_at_both_sizes(tmp_path
     assert per_rule["time"] == [("96x128", "fp16"), ("96x128", "fp8"), ("96x96", "fp16"), ("96x96", "fp8")]
     wide_fp8 = proc.stdout.split(f"output: {base}/96x128/fp8/timing.json")[0].rsplit("input:", 1)[1]
     assert f"{base}/96x96/fp8/build.json" in wide_fp8 and f"{base}/96x96/fp16/build.json" in wide_fp8
+
+
+def test_a_torch_engine_is_refused_at_a_setting_its_build_does_not_serve(detr_checkpoint, tmp_path):
+    """Built for 96 x 96 alone, the engine is not opened at 96 x 128: the time job records why."""
+    checkpoint, arch = detr_checkpoint
+    target = {"target": "cpu-torch", "backend": "torch", "device": "cpu"}
+    recipe = {"quantize": [], "dequantize_dtype": "float16"}
+    ident = {"target": "cpu-torch", "model": "tiny", "setting": SQUARE["name"], "variant": "fp16"}
+    build = tmp_path / "engine" / "build.json"
+    steps.build(ident, "deformable_detr", target, SQUARE, arch, FP16, recipe, str(checkpoint), None, str(build))
+    out = tmp_path / "timing.json"
+    steps.time({**ident, "setting": WIDE["name"]}, "deformable_detr", target, WIDE, recipe, TIMING, str(checkpoint),
+               str(build), str(build), str(out))
+    doc = json.loads(out.read_text())
+    assert doc["status"] == "failed"
+    assert "built for [{'pixel_values': [1, 3, 96, 96]}], not for setting 96x128's" in doc["error"]

@@ -382,6 +382,22 @@ def test_a_probe_that_differs_between_timing_and_evaluation_fails_the_audit(work
             f"{variant}/build.json") in log
 
 
+def test_timing_and_evaluation_that_opened_different_compiled_programs_fail_the_audit(workflow_copy, tmp_path):
+    """TEST01 for a compiled engine: the timing and the evaluation job name the compiled program they
+    opened, and it must be one file (here the evaluation claims another)."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    variant = "results/fnet/cpu-torch/fnet-base/w512/fp8"
+    _forge(repo / variant / "quality.json", lambda d: d.update(compiled_sha256={"main": "0" * 64}))
+    proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
+    assert proc.returncode != 0
+    log = (repo / "logs/fnet/audit.log").read_text()
+    assert (f"{variant}/timing.json and {variant}/quality.json opened different compiled programs of "
+            f"{variant}/build.json") in log
+
+
 def test_a_tampered_revision_fails_the_audit(workflow_copy, tmp_path):
     """checkpoint.json made to say another revision, its digest recomputed: its snapshot and the
     study's pin both contradict it, whether or not the jobs after it are rerun."""

@@ -1,41 +1,116 @@
-"""Backends: one interface, three implementations (torch, onnxruntime, tensorrt).
+"""Backends: one declared contract (`Backend`, `Runner`), three implementations (torch, onnxruntime, tensorrt).
 
-A backend turns a prepared graph (a module, or its exported ONNX) into an engine (`build`) and
-opens it as a runner that maps named inputs to named outputs. Timing and profiling go through the runner, so the
-same contract tests run against every backend importable on the machine. Backends never
-import a family: the study steps hand them a module or an ONNX file.
+A backend turns a prepared graph (a module, or its exported ONNX: `builds_from`) into an engine in a
+folder (`build`), and every later job opens that folder as a runner (`open`) that maps named inputs
+to named outputs. Build once, measure that build: what a job times, profiles or evaluates is the
+file `build` wrote, never something made again in the job. Backends never import a family: the
+steps hand them a module or an ONNX file and example inputs.
+
+A backend is a class in `<name>_backend.py` of this package, `@register`ed, as families are. A
+module whose libraries do not import here (TensorRT on a machine without it) is still listed, with
+the reason, so that a config naming it gets a clear error and the contract test says what it skipped.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Protocol
+import pkgutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 import torch
 
-_MODULES = {"torch": "quantstudy.backends.torch_backend",
-            "onnxruntime": "quantstudy.backends.onnxruntime_backend",
-            "tensorrt": "quantstudy.backends.tensorrt_backend"}
+Inputs = dict[str, torch.Tensor]
+
+_REGISTRY: dict[str, "Backend"] = {}
+_UNAVAILABLE: dict[str, str] = {}  # backend name -> why its module does not import here
+_SUFFIX = "_backend"
 
 
+@dataclass(frozen=True)
+class Shapes:
+    """The input shapes an engine is built for.
+
+    `examples`: inputs at each shape its jobs will run, one per setting it serves (the first is the
+    build's own setting); `profile`: each dynamic input's (min, opt, max), TensorRT's optimization
+    profile. A torch engine is compiled at every example's shape, and runs no other.
+    """
+
+    examples: tuple[Inputs, ...]
+    profile: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+
+
+@runtime_checkable
 class Runner(Protocol):
-    """A loaded engine: `runner({input: tensor}) -> {output: tensor}`; `replay()` runs one call on the
-    example inputs it was opened with (no data transfer), `synchronize()` waits for the device."""
+    """An opened engine: `runner({input: tensor}) -> {output: tensor}`. A call with more rows than the
+    engine's batch runs in chunks of that batch (the last one padded); a shape the engine was not built
+    for is an error. `replay()` runs one call on the example inputs it was opened with (no data
+    transfer); `synchronize()` waits for the device."""
 
     device: torch.device
 
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+    def __call__(self, inputs: Inputs) -> Inputs: ...
 
     def replay(self) -> None: ...
 
     def synchronize(self) -> None: ...
 
 
-def get(name: str):
-    """The backend module of a target (imports it: only then are its libraries needed)."""
-    if name not in _MODULES:
-        raise KeyError(f"unknown backend {name!r}; known: {', '.join(_MODULES)}")
-    return importlib.import_module(_MODULES[name])
+# classify(region, kernel or op name, device, op) -> the family's kernel group (timing.kernel_profile)
+Classify = Callable[..., str]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every backend declares and implements.
+
+    `builds_from`: what `build` takes, the variant's module or its exported ONNX file.
+    `builder_options(target)`: how this target builds and runs engines (recorded in measurements.json).
+    `build(source, out_dir, target, shapes)`: the engine files in `out_dir`; returns the build record
+    of its graph (`engine`: the file every job opens, `engine_bytes`, and what the backend knows).
+    `open(out_dir, example, target, skeleton)`: the built engine as a Runner at the example's shape;
+    `skeleton` gives a module backend the structure its weights file fills (None for ONNX backends).
+    `profile(runner, calls, classify, regions)`: time per call by kernel (GPU) or op (CPU), grouped by
+    `classify`, in timing.kernel_profile's form.
+    """
+
+    name: str
+    builds_from: Literal["module", "onnx"]
+
+    def builder_options(self, target: Any) -> dict[str, Any]: ...
+
+    def build(self, source: Any, out_dir: Path, target: Any, shapes: Shapes) -> dict[str, Any]: ...
+
+    def open(self, out_dir: Path, example: Inputs, target: Any, skeleton: Any = None) -> Runner: ...
+
+    def profile(self, runner: Runner, calls: int, classify: Classify, regions: set[str]) -> dict[str, Any]: ...
+
+
+def register(cls: type) -> type:
+    """Class decorator: register a backend under its `name` (one instance, it holds no state)."""
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def names() -> list[str]:
+    """Every declared backend (a `<name>_backend` module here), whether or not it imports here."""
+    return sorted(i.name.removesuffix(_SUFFIX) for i in pkgutil.iter_modules(__path__) if i.name.endswith(_SUFFIX))
+
+
+def get(name: str) -> Backend:
+    """The backend of a target. Only its own libraries are imported, and only now: a backend that
+    cannot be imported here raises ImportError with the reason."""
+    if name not in _REGISTRY and name not in _UNAVAILABLE:
+        if name not in names():
+            raise KeyError(f"unknown backend {name!r}; known: {', '.join(names())}")
+        try:
+            importlib.import_module(f"{__name__}.{name}{_SUFFIX}")
+        except ImportError as e:
+            _UNAVAILABLE[name] = str(e)
+    if name in _UNAVAILABLE:
+        raise ImportError(f"backend {name!r} does not import here: {_UNAVAILABLE[name]}")
+    return _REGISTRY[name]
 
 
 def available(name: str) -> tuple[bool, str]:
@@ -45,3 +120,16 @@ def available(name: str) -> tuple[bool, str]:
         return True, ""
     except ImportError as e:
         return False, str(e)
+
+
+def batch_chunks(inputs: Inputs, batch: int) -> list[Inputs]:
+    """Rows in chunks of an engine's static batch, the last chunk padded by repeating its last row
+    (the caller drops the pad rows from the outputs)."""
+    rows = next(iter(inputs.values())).shape[0]
+    chunks = []
+    for i in range(0, rows, batch):
+        c = {k: v[i:i + batch] for k, v in inputs.items()}
+        n = next(iter(c.values())).shape[0]
+        chunks.append({k: torch.cat([v, v[-1:].expand(batch - n, *v.shape[1:])]) if n < batch else v
+                       for k, v in c.items()})
+    return chunks

@@ -19,20 +19,28 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from quantstudy.backends import Shapes, batch_chunks, register
 from quantstudy.timing import gemm_calls, projection_dims
 
-INPUT = "onnx"  # what `build` takes: the exported ONNX (the torch backend takes a module)
 ENGINE_FILE = "model.onnx"
 PROVIDERS = ["CPUExecutionProvider"]
 GEMM_NODES = {"MatMul", "Gemm", "FusedMatMul"}  # ONNX Runtime's GEMM nodes, fused ones included
+# ONNX Runtime 1.30's QDQ fusion (QDQSelectorActionTransformer, its "MatMul" rule) turns a float8
+# DequantizeLinear -> MatMul with no Q after it into MatMulIntegerToFloat, which takes no float8, and
+# the session fails to open (GPT-Neo's fp32 FP8 graph). Our graphs' Q/DQ are float8 only, so the
+# transformer has nothing else to fuse: with it off, 1.32 gives the same outputs bit for bit.
+DISABLED_OPTIMIZERS = ["QDQSelectorActionTransformer"]
+_DISABLE_KEY = "optimization.disable_specified_optimizers"
 
 
-def _session_options(target: dict[str, Any], profile_prefix: str | None = None) -> ort.SessionOptions:
-    """Session options from the target's `builder` block (threads, optimization level)."""
-    builder = target.get("builder") or {}
+def _session_options(target, profile_prefix: str | None = None) -> ort.SessionOptions:
+    """Session options from the target's `builder` block (threads, optimization level), with
+    DISABLED_OPTIMIZERS off."""
+    builder = target.builder
     so = ort.SessionOptions()
     level = builder.get("graph_optimization_level", "ORT_ENABLE_ALL")
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    so.add_session_config_entry(_DISABLE_KEY, ",".join(DISABLED_OPTIMIZERS))
     if "intra_op_num_threads" in builder:
         so.intra_op_num_threads = int(builder["intra_op_num_threads"])
     so.log_severity_level = 3  # errors only: warnings about fp16 casts are expected
@@ -40,16 +48,6 @@ def _session_options(target: dict[str, Any], profile_prefix: str | None = None) 
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix
     return so
-
-
-def builder_options(target: dict[str, Any]) -> dict[str, Any]:
-    """The session options this target's sessions are opened with (`_session_options`), and the FP8 path."""
-    so = _session_options(target)
-    threads = so.intra_op_num_threads
-    return {"graph_optimization_level": str(so.graph_optimization_level).rsplit(".", 1)[-1],
-            "intra_op_num_threads": threads if threads > 0 else "ONNX Runtime default (one per core)",
-            "execution_providers": PROVIDERS,
-            "fp8_path": "float8e4m3fn QuantizeLinear / DequantizeLinear run by ONNX Runtime's CPU kernels"}
 
 
 def _place(onnx_path: Path, out_dir: Path) -> Path:
@@ -72,22 +70,48 @@ def _place(onnx_path: Path, out_dir: Path) -> Path:
     return out_dir / ENGINE_FILE
 
 
-def build(onnx_path: str | Path, out_dir: str | Path, target: dict[str, Any], profile=None) -> dict[str, Any]:
-    """Place the ONNX as the engine and open a session on it (a graph ORT rejects fails here).
-    ONNX Runtime takes any shape a dynamic graph allows: `profile` (TensorRT's) is not needed."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    engine = _place(Path(onnx_path), out_dir)
-    session = ort.InferenceSession(str(engine), _session_options(target), providers=PROVIDERS)
-    files = [p for p in out_dir.iterdir() if p.is_file() and not p.name.endswith(".json")]
-    return {"engine": str(engine), "engine_bytes": sum(p.stat().st_size for p in files),
-            "onnxruntime": {"version": ort.__version__, "providers": session.get_providers(),
-                            "graph_optimization_level": str(_session_options(target).graph_optimization_level)}}
+@register
+class OnnxRuntimeBackend:
+    """The exported ONNX itself, run by ONNX Runtime's CPU kernels."""
 
+    name = "onnxruntime"
+    builds_from = "onnx"
 
-def open(out_dir: str | Path, example: dict[str, torch.Tensor], target: dict[str, Any], skeleton=None) -> "Runner":
-    """The engine in `out_dir` as a runner at the example inputs' shapes."""
-    return Runner(Path(out_dir) / ENGINE_FILE, example, target)
+    @staticmethod
+    def builder_options(target) -> dict[str, Any]:
+        """The session options this target's sessions are opened with (`_session_options`), and the FP8 path."""
+        so = _session_options(target)
+        threads = so.intra_op_num_threads
+        return {"graph_optimization_level": str(so.graph_optimization_level).rsplit(".", 1)[-1],
+                "intra_op_num_threads": threads if threads > 0 else "ONNX Runtime default (one per core)",
+                "execution_providers": PROVIDERS,
+                "disabled_optimizers": so.get_session_config_entry(_DISABLE_KEY).split(","),
+                "fp8_path": "float8e4m3fn QuantizeLinear / DequantizeLinear run by ONNX Runtime's CPU kernels"}
+
+    @staticmethod
+    def build(onnx_path: str | Path, out_dir: str | Path, target, shapes: Shapes) -> dict[str, Any]:
+        """Place the ONNX as the engine and open a session on it (a graph ORT rejects fails here).
+        ONNX Runtime takes any shape a dynamic graph allows: it needs no shapes to build for."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        engine = _place(Path(onnx_path), out_dir)
+        session = ort.InferenceSession(str(engine), _session_options(target), providers=PROVIDERS)
+        files = [p for p in out_dir.iterdir() if p.is_file() and not p.name.endswith(".json")]
+        return {"engine": str(engine), "engine_bytes": sum(p.stat().st_size for p in files),
+                "onnxruntime": {"version": ort.__version__, "providers": session.get_providers(),
+                                "graph_optimization_level": str(_session_options(target).graph_optimization_level)}}
+
+    @staticmethod
+    def open(out_dir: str | Path, example: dict[str, torch.Tensor], target, skeleton=None) -> "Runner":
+        """The engine in `out_dir` as a runner at the example inputs' shapes."""
+        return Runner(Path(out_dir) / ENGINE_FILE, example, target)
+
+    @staticmethod
+    def profile(runner: "Runner", calls: int, classify, regions: set[str]) -> dict[str, Any]:
+        """ONNX Runtime's own profiler (Runner.kernel_profile); FP8 layers' nodes form the FP8 region."""
+        from quantstudy.quantization import FP8_REGION
+
+        return runner.kernel_profile(calls, classify, FP8_REGION)
 
 
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
@@ -102,7 +126,7 @@ class Runner:
     repeating its last row); a dynamic graph takes any shape in one call.
     """
 
-    def __init__(self, engine: Path, example: dict[str, torch.Tensor], target: dict[str, Any]):
+    def __init__(self, engine: Path, example: dict[str, torch.Tensor], target):
         self.engine, self.target = engine, target
         self.device = torch.device("cpu")
         self.session = ort.InferenceSession(str(engine), _session_options(target), providers=PROVIDERS)
@@ -129,21 +153,10 @@ class Runner:
         return {k: np.ascontiguousarray(v.detach().cpu().numpy().astype(self.input_types[k], copy=False))
                 for k, v in inputs.items()}
 
-    def _chunks(self, inputs: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-        rows = next(iter(inputs.values())).shape[0]
-        b = self.static_batch or rows
-        chunks = []
-        for i in range(0, rows, b):
-            c = {k: v[i:i + b] for k, v in inputs.items()}
-            n = next(iter(c.values())).shape[0]
-            if n < b:
-                c = {k: np.concatenate([v, np.repeat(v[-1:], b - n, axis=0)]) for k, v in c.items()}
-            chunks.append({k: np.ascontiguousarray(v) for k, v in c.items()})
-        return chunks
-
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         rows = next(iter(inputs.values())).shape[0]
-        outs = [self.session.run(self.output_names, c) for c in self._chunks(self._numpy(inputs))]
+        chunks = batch_chunks(inputs, self.static_batch) if self.static_batch else [inputs]
+        outs = [self.session.run(self.output_names, self._numpy(c)) for c in chunks]
         return {name: torch.from_numpy(np.concatenate([o[i] for o in outs])[:rows])
                 for i, name in enumerate(self.output_names)}
 

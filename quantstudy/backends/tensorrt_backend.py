@@ -20,9 +20,9 @@ from typing import Any, Callable
 import tensorrt as trt
 import torch
 
+from quantstudy.backends import Shapes, batch_chunks, register
 from quantstudy.timing import gemm_calls, projection_dims
 
-INPUT = "onnx"  # what `build` takes: the exported ONNX
 PLAN_FILE = "engine.plan"
 LAYERS_FILE = "layers.json"  # the engine inspector's JSON, beside the plan
 TIMING_CACHE_DIR = Path("resources/tensorrt-timing-cache")
@@ -83,9 +83,9 @@ def gpu_key() -> str:
     return f"{name}-sm{major}{minor}-trt{trt.__version__}"
 
 
-def timing_cache_path(target: dict[str, Any]) -> Path:
+def timing_cache_path(target) -> Path:
     """The timing cache this target's builds share, keyed by GPU and TensorRT version."""
-    folder = Path((target.get("builder") or {}).get("timing_cache_dir", TIMING_CACHE_DIR))
+    folder = Path(target.builder.get("timing_cache_dir", TIMING_CACHE_DIR))
     return folder / f"{gpu_key()}.cache"
 
 
@@ -110,9 +110,9 @@ def _save_timing_cache(config: "trt.IBuilderConfig", cache: "trt.ITimingCache", 
 DEFAULT_OPTIMIZATION_LEVEL = 3  # TensorRT's own default
 
 
-def builder_options(target: dict[str, Any]) -> dict[str, Any]:
+def builder_options(target) -> dict[str, Any]:
     """The builder settings `build` uses for this target, and the FP8 path."""
-    opts = target.get("builder") or {}
+    opts = target.builder
     return {"network": "strongly typed (types from the ONNX: fp16 from an fp16 graph, FP8 from its Q/DQ)",
             "builder_optimization_level": int(opts.get("optimization_level", DEFAULT_OPTIMIZATION_LEVEL)),
             "workspace_bytes": int(opts["workspace_bytes"]) if "workspace_bytes" in opts else "TensorRT default",
@@ -120,25 +120,25 @@ def builder_options(target: dict[str, Any]) -> dict[str, Any]:
             "fp8_path": "explicit Q/DQ: TensorRT fuses them into FP8 GEMMs; the engine inspector says which ran in FP8"}
 
 
-def _require_version(target: dict[str, Any]) -> None:
+def _require_version(target) -> None:
     """A target pins its TensorRT version: an engine built by another version would be mislabelled."""
-    wanted = str(target.get("version") or "")
+    wanted = str(target.version or "")
     if wanted and not (trt.__version__ == wanted or trt.__version__.startswith(wanted + ".")):
-        raise BuildError(f"target {target.get('target', '')} wants TensorRT {wanted}, this environment has "
-                         f"{trt.__version__}: run it in {target.get('env') or 'its own environment'}")
+        raise BuildError(f"target {target.name} wants TensorRT {wanted}, this environment has "
+                         f"{trt.__version__}: run it in {target.env or 'its own environment'}")
 
 
-def build(onnx_path: str | Path, out_dir: str | Path, target: dict[str, Any],
-          profile: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] | None = None) -> dict[str, Any]:
+def build(onnx_path: str | Path, out_dir: str | Path, target, shapes: Shapes) -> dict[str, Any]:
     """Parse the ONNX into a strongly typed network, build the plan, inspect what runs in FP8.
 
-    `profile` gives (min, opt, max) shapes for each dynamic input: one optimization profile.
+    `shapes.profile` gives (min, opt, max) shapes for each dynamic input: one optimization profile.
     """
+    profile = shapes.profile
     _require_gpu()
     _require_version(target)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    builder_opts = target.get("builder") or {}
+    builder_opts = target.builder
     mark = LOGGER.mark()
     builder = trt.Builder(LOGGER)
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
@@ -236,9 +236,26 @@ _TORCH_DTYPES = {"FLOAT": torch.float32, "HALF": torch.float16, "BF16": torch.bf
                  "INT64": torch.int64, "INT8": torch.int8, "BOOL": torch.bool, "FP8": torch.float8_e4m3fn}
 
 
-def open(out_dir: str | Path, example: dict[str, torch.Tensor], target: dict[str, Any], skeleton=None) -> "Runner":
-    """The plan in `out_dir` as a runner at the example inputs' shapes, captured as a CUDA graph."""
-    return Runner(Path(out_dir), example, target)
+@register
+class TensorRTBackend:
+    """A strongly typed TensorRT plan from the exported Q/DQ ONNX."""
+
+    name = "tensorrt"
+    builds_from = "onnx"
+    builder_options = staticmethod(builder_options)
+    build = staticmethod(build)
+
+    @staticmethod
+    def open(out_dir: str | Path, example: dict[str, torch.Tensor], target, skeleton=None) -> "Runner":
+        """The plan in `out_dir` as a runner at the example inputs' shapes, captured as a CUDA graph."""
+        return Runner(Path(out_dir), example, target)
+
+    @staticmethod
+    def profile(runner: "Runner", calls: int, classify, regions: set[str]) -> dict[str, Any]:
+        """TensorRT's IProfiler per layer (Runner.kernel_profile); FP8 GEMM layers form the FP8 region."""
+        from quantstudy.quantization import FP8_REGION
+
+        return runner.kernel_profile(calls, classify, FP8_REGION)
 
 
 class Runner:
@@ -246,7 +263,7 @@ class Runner:
     replays a CUDA graph of one enqueue. Other shapes: a dynamic engine takes them in one call
     (set_input_shape, no graph); a static one takes more rows in chunks of its batch."""
 
-    def __init__(self, out_dir: Path, example: dict[str, torch.Tensor], target: dict[str, Any]):
+    def __init__(self, out_dir: Path, example: dict[str, torch.Tensor], target):
         self.device = _require_gpu()
         self.out_dir = out_dir
         mark = LOGGER.mark()
@@ -297,17 +314,6 @@ class Runner:
         torch.cuda.synchronize(self.device)
         return graph
 
-    def _chunks(self, inputs: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """A static engine's rows in chunks of its batch; the last chunk padded by repeating its last row."""
-        rows = next(iter(inputs.values())).shape[0]
-        b = next(iter(self.static_inputs.values())).shape[0]
-        chunks = []
-        for i in range(0, rows, b):
-            c = {k: v[i:i + b] for k, v in inputs.items()}
-            n = next(iter(c.values())).shape[0]
-            chunks.append({k: torch.cat([v, v[-1:].expand(b - n, *v.shape[1:])]) if n < b else v for k, v in c.items()})
-        return chunks
-
     @torch.no_grad()
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         same = all(tuple(v.shape) == tuple(self.static_inputs[k].shape) for k, v in inputs.items())
@@ -319,7 +325,7 @@ class Runner:
             return {k: v.clone() for k, v in outputs.items()}
         rows = next(iter(inputs.values())).shape[0]
         outs = []
-        for chunk in self._chunks(inputs):
+        for chunk in batch_chunks(inputs, next(iter(self.static_inputs.values())).shape[0]):
             for k, v in chunk.items():
                 self.static_inputs[k].copy_(v.to(self.device, self.static_inputs[k].dtype))
             self.graph.replay()

@@ -1,27 +1,49 @@
-"""PyTorch backend: the variant module itself is the engine.
+"""PyTorch backend: the variant module's weights, and on a compiling target its compiled program.
 
 On CPU, FP8 layers are fake-quant (float8_e4m3fn casts). On a GPU with FP8 (sm_89+) they are
-real FP8 GEMMs (torch._scaled_mm, static per-tensor scales), and a target with `compile`
-runs the module through torch.compile and times it by CUDA graph replay.
+real FP8 GEMMs (torch._scaled_mm, static per-tensor scales), and a target with `compile` runs the
+module through torch.compile and times it by CUDA graph replay.
+
+Build once, measure that build. On a compiling target `build` compiles and autotunes the engine at
+every shape its jobs will run and stores what inductor made as its portable cache artifacts
+(`compiled.bin`, torch.compiler.save_cache_artifacts) beside the weights. A job that opens the engine
+loads those artifacts into a cache of its own and compiles nothing: dynamo traces the module again
+(seconds), and every graph must then be found in the loaded artifacts, or opening fails and names the
+build to rerun. So the timed, the profiled and the evaluated program are the same kernels with the
+same autotuning choices. What keys a compiled graph includes process settings the build and every
+job set alike (steps._deterministic; on a CPU, inductor's code depends on the intra-op thread count). (An AOTInductor package would also skip the trace, but loading one
+segfaulted on torch 2.11.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import tempfile
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from quantstudy.backends import Inputs, Shapes, batch_chunks, register
+
 ENGINE_FILE = "engine.safetensors"
+COMPILED_FILE = "compiled.bin"  # inductor's cache artifacts of the engine at its built shapes
+
+log = logging.getLogger("quantstudy")
 
 
-def build(model: nn.Module, out_dir: str | Path) -> dict[str, Any]:
-    """Save the variant's weights (FP8 weights stay float8_e4m3fn) as the engine file."""
+class NotBuilt(RuntimeError):
+    """Opening the engine would compile: its build did not compile what this job runs."""
+
+
+def _save_weights(model: nn.Module, out_dir: Path) -> dict[str, Any]:
+    """The variant's weights (FP8 weights stay float8_e4m3fn) as the engine file."""
     from safetensors.torch import save_file
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     # Tied weights (an LM head and its embedding) share memory, which safetensors refuses: each
     # tensor after the first of a shared storage is stored as a copy, and loads as its own tensor.
     state, seen = {}, set()
@@ -36,16 +58,29 @@ def build(model: nn.Module, out_dir: str | Path) -> dict[str, Any]:
             "weight_dtypes": sorted({str(v.dtype).removeprefix("torch.") for v in state.values()})}
 
 
-def builder_options(target: dict[str, Any]) -> dict[str, Any]:
-    """How this target runs a variant module: device, torch.compile, CUDA graph, and the FP8 GEMM path."""
-    from quantstudy.quantization import fp8_gemm_supported
+@contextlib.contextmanager
+def _own_inductor_cache() -> Iterator[None]:
+    """Inductor's on-disk caches in a fresh folder, and a fresh record of cache artifacts: a build
+    compiles from nothing (all it made is recorded), and an opening job finds only what it loaded.
+    The folder stays until the process ends: compiled kernels load lazily from it."""
+    from torch.compiler._cache import CacheArtifactManager
 
-    device = target["device"]
-    fp8 = ("real FP8 GEMMs: torch._scaled_mm with static per-tensor scales (a layer whose K or N is not a multiple "
-           "of 16 stays fake-quant)" if fp8_gemm_supported(device) else
-           "fake-quant: float8_e4m3fn round trip of weights and activations, GEMM in the work precision")
-    return {"device": device, "torch_compile": bool(target.get("compile", False)),
-            "cuda_graph": torch.device(device).type == "cuda", "fp8_path": fp8}
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="quantstudy-inductor-")
+    try:
+        with CacheArtifactManager.with_fresh_cache():
+            yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
+def _cache_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")}
 
 
 def load(skeleton: nn.Module, out_dir: str | Path, device: str = "cpu") -> nn.Module:
@@ -64,10 +99,95 @@ def load(skeleton: nn.Module, out_dir: str | Path, device: str = "cpu") -> nn.Mo
     return model
 
 
-def open(out_dir: str | Path, example: dict[str, torch.Tensor], target: dict[str, Any], skeleton: nn.Module) -> "Runner":
-    """The engine in `out_dir` as a runner at the example inputs' shapes (the skeleton gives its structure)."""
-    model = load(skeleton, out_dir, target["device"])
-    return Runner(model, example, target["device"], target.get("compile", False))
+@register
+class TorchBackend:
+    """The variant module itself, fake-quant on CPU, real FP8 GEMMs and torch.compile on a GPU."""
+
+    name = "torch"
+    builds_from = "module"
+
+    @staticmethod
+    def builder_options(target) -> dict[str, Any]:
+        """How this target runs a variant module: device, torch.compile, CUDA graph, and the FP8 GEMM path."""
+        from quantstudy.quantization import fp8_gemm_supported
+
+        fp8 = ("real FP8 GEMMs: torch._scaled_mm with static per-tensor scales (a layer whose K or N is not a "
+               "multiple of 16 stays fake-quant)" if fp8_gemm_supported(target.device) else
+               "fake-quant: float8_e4m3fn round trip of weights and activations, GEMM in the work precision")
+        return {"device": target.device, "torch_compile": bool(target.compile),
+                "compiled_program": (f"{COMPILED_FILE}: inductor cache artifacts made by the build at the engine's "
+                                     f"shapes, loaded by every job that opens it" if target.compile else "none"),
+                "cuda_graph": torch.device(target.device).type == "cuda", "fp8_path": fp8}
+
+    def build(self, model: nn.Module, out_dir: str | Path, target, shapes: Shapes) -> dict[str, Any]:
+        """Save the weights; on a compiling target, compile the engine as `open` will run it, at every
+        example's shape (CUDA-graph capture included), and save what was compiled."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        info = _save_weights(model, out_dir)
+        info["shapes"] = [{k: list(v.shape) for k, v in example.items()} for example in shapes.examples]
+        if not target.compile:
+            return info
+        started = time.perf_counter()
+        # Forget what this process compiled before: dynamo would reuse the code of an earlier module
+        # of the same class and shapes, and this build would then compile, and record, nothing.
+        torch.compiler.reset()
+        with _own_inductor_cache():
+            before = _cache_counts()
+            for example in shapes.examples:
+                Runner(load(model, out_dir, target.device), example, target.device, compile=True)
+            made = {k: _cache_counts()[k] - before[k] for k in before}
+            if made["bypass"]:
+                raise NotBuilt(f"inductor could not cache {made['bypass']} of the engine's graphs, so every job "
+                               f"would compile them again")
+            saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            raise NotBuilt("torch.compile recorded no cache artifacts for the engine")
+        tmp = out_dir / f".{COMPILED_FILE}.tmp"
+        tmp.write_bytes(saved[0])
+        tmp.replace(out_dir / COMPILED_FILE)
+        seconds = time.perf_counter() - started
+        log.info("compiled %s at %d shape(s) in %.1f s: %d graphs, %d bytes of cache artifacts", out_dir,
+                 len(shapes.examples), seconds, made["miss"], len(saved[0]))
+        return {**info, "compiled": str(out_dir / COMPILED_FILE), "compiled_bytes": len(saved[0]),
+                "compile_seconds": seconds}
+
+    @staticmethod
+    def open(out_dir: str | Path, example: Inputs, target, skeleton: nn.Module | None = None) -> "Runner":
+        """The engine in `out_dir` as a runner at the example inputs' shape (the skeleton gives its
+        structure). On a compiling target the program comes from the build's compiled file: nothing is
+        compiled here, and a graph the file does not hold raises NotBuilt."""
+        started = time.perf_counter()
+        model = load(skeleton, out_dir, target.device)
+        if not target.compile:
+            return Runner(model, example, target.device)
+        compiled = Path(out_dir) / COMPILED_FILE
+        if not compiled.exists():
+            raise NotBuilt(f"{compiled} is missing: the engine was built without compiling; rebuild it")
+        with _own_inductor_cache():
+            torch.compiler.load_cache_artifacts(compiled.read_bytes())
+            before = _cache_counts()
+            runner = Runner(model, example, target.device, compile=True)
+            found = {k: _cache_counts()[k] - before[k] for k in before}
+        if found["miss"] or found["bypass"]:
+            raise NotBuilt(f"opening {out_dir} at {_shape_of(example)} had to compile {found['miss'] + found['bypass']} "
+                           f"graph(s) that its build did not: the build compiled other shapes or other code; "
+                           f"rerun it: snakemake --forcerun build {Path(out_dir).parent / 'build.json'}")
+        runner.open_seconds = time.perf_counter() - started
+        log.info("opened %s at %s in %.1f s from %s (FX graph cache: %d hits, 0 misses)", out_dir,
+                 _shape_of(example), runner.open_seconds, compiled.name, found["hit"])
+        return runner
+
+    @staticmethod
+    def profile(runner: "Runner", calls: int, classify, regions: set[str]) -> dict[str, Any]:
+        """torch.profiler's kernels (GPU) or ops (CPU), in the family's groups."""
+        from quantstudy import timing
+
+        return timing.kernel_profile(runner, calls, classify, regions)
+
+
+def _shape_of(inputs: Inputs) -> str:
+    return ", ".join(f"{k} {list(v.shape)}" for k, v in inputs.items())
 
 
 class Runner:
@@ -82,7 +202,8 @@ class Runner:
         from quantstudy.quantization import FP8Linear
 
         self.device = torch.device(device)
-        self.model = self.eager = model
+        self.model = self.module = model  # `module`: the uncompiled module, for inspection only
+        self.open_seconds: float | None = None  # set by TorchBackend.open
         self.fp8_layers = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
         self.fp8_gemm = [n for n, m in model.named_modules() if isinstance(m, FP8Linear) and m.fp8_gemm]
         self.static_inputs = {k: v.to(self.device) for k, v in example.items()}
@@ -91,6 +212,9 @@ class Runner:
             self.model = torch.compile(model, dynamic=False)
         if self.device.type == "cuda":
             self._capture()
+        elif compile:
+            with torch.no_grad():  # compile (or load) now: opening, not the first timed call, pays for it
+                self.model(**self.static_inputs)
 
     @torch.no_grad()
     def _capture(self) -> None:
@@ -112,15 +236,26 @@ class Runner:
         torch.cuda.synchronize()
 
     @torch.no_grad()
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.graph is not None and all(v.shape == self.static_inputs[k].shape for k, v in inputs.items()):
-            for k, v in inputs.items():
-                self.static_inputs[k].copy_(v.to(self.device))
-            self.graph.replay()
-            return {k: v.clone() for k, v in self.static_outputs.items()}
-        # Other shapes (e.g. the batch-of-8 scan of a batch-1 engine) run eagerly: the same
-        # math, no recompile. Inputs take the engine's dtypes (an fp16 variant's KV cache is fp16).
-        return self.eager(**{k: v.to(self.device, self.static_inputs[k].dtype) for k, v in inputs.items()})
+    def __call__(self, inputs: Inputs) -> Inputs:
+        """Outputs of any number of rows, run in the engine's batch (the last chunk padded); a shape
+        other than the engine's beyond the batch axis is an error, never a run of another program."""
+        for k, v in inputs.items():
+            if tuple(v.shape[1:]) != tuple(self.static_inputs[k].shape[1:]):
+                raise ValueError(f"the engine runs {_shape_of(self.static_inputs)} (any number of rows); "
+                                 f"asked {k} {list(v.shape)}")
+        rows = next(iter(inputs.values())).shape[0]
+        outs = []
+        for chunk in batch_chunks(inputs, next(iter(self.static_inputs.values())).shape[0]):
+            # Inputs take the engine's dtypes (an fp16 variant's KV cache is fp16).
+            chunk = {k: v.to(self.device, self.static_inputs[k].dtype) for k, v in chunk.items()}
+            if self.graph is not None:
+                for k, v in chunk.items():
+                    self.static_inputs[k].copy_(v)
+                self.graph.replay()
+                outs.append({k: v.clone() for k, v in self.static_outputs.items()})
+            else:
+                outs.append(self.model(**chunk))
+        return {k: torch.cat([o[k] for o in outs])[:rows] for k in outs[0]}
 
     def replay(self) -> None:
         """One timed call: graph replay (no data transfer) on CUDA, a plain forward on CPU."""

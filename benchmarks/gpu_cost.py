@@ -1,0 +1,87 @@
+"""Prints where a run's GPU time went: each rule's job-seconds, and each measurement job's seconds
+opening engines against the rest of the job (measuring, loading inputs, writing).
+
+    .venv/bin/python benchmarks/gpu_cost.py RUN_DIR [--study timm_xcit]
+
+RUN_DIR holds the run's `benchmarks/` (Snakemake's benchmark TSV of each job: its wall seconds) and
+`logs/` (the job logs). A job's opening seconds are the sum of its log's `opened ... in X s` lines,
+which the torch backend writes when it opens an engine from its build's compiled program; a job of
+a run from before that (or a backend that logs no such line) shows its opening seconds as `-`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import defaultdict
+from pathlib import Path
+
+GPU_RULES = ("reference", "calibrate", "build", "time", "profile", "gemm", "evaluate")
+MEASUREMENT_RULES = ("time", "profile", "gemm", "evaluate")
+OPENED = re.compile(r" opened \S+ at .* in ([0-9.]+) s from ")
+
+
+def rule_of(tsv: Path) -> str:
+    """A benchmark file's rule: its name, less a timing repeat's suffix (time-r2.tsv -> time)."""
+    return re.sub(r"-r\d+$", "", tsv.stem)
+
+
+def jobs(run: Path, study: str | None = None) -> list[dict]:
+    """Every job of the run with a benchmark TSV: its rule, key (folder), wall seconds and the seconds
+    its log says it spent opening engines (None where its log says nothing of it)."""
+    found = []
+    root = run / "benchmarks" / (study or "")
+    for tsv in sorted(root.rglob("*.tsv")):
+        lines = tsv.read_text().splitlines()
+        if len(lines) < 2:
+            continue
+        seconds = float(lines[1].split("\t")[0])
+        key = tsv.relative_to(run / "benchmarks").with_suffix("")
+        log = run / "logs" / key.with_suffix(".log")
+        opened = [float(m.group(1)) for m in OPENED.finditer(log.read_text(errors="replace"))] if log.exists() else []
+        found.append({"rule": rule_of(tsv), "key": str(key), "seconds": seconds, "opens": len(opened),
+                      "open_seconds": sum(opened) if opened else None})
+    return found
+
+
+def report(found: list[dict]) -> str:
+    by_rule: dict[str, list[dict]] = defaultdict(list)
+    for j in found:
+        by_rule[j["rule"]].append(j)
+    lines = ["rule        jobs  job-seconds  open-seconds  rest-seconds  max open (one engine)"]
+    total = 0.0
+    for rule in GPU_RULES:
+        js = by_rule.get(rule, [])
+        if not js:
+            continue
+        seconds = sum(j["seconds"] for j in js)
+        total += seconds
+        logged = [j for j in js if j["open_seconds"] is not None]
+        opened = sum(j["open_seconds"] for j in logged)
+        most = max((j["open_seconds"] / j["opens"] for j in logged), default=None)
+        lines.append(f"{rule:<10} {len(js):>5} {seconds:>12.1f} "
+                     f"{(f'{opened:.1f}' if logged else '-'):>13} {(f'{seconds - opened:.1f}' if logged else '-'):>13}"
+                     f"  {(f'{most:.1f}' if most is not None else '-'):>8}")
+    lines.append(f"GPU rules, all jobs: {total:.1f} job-seconds")
+    lines.append("")
+    lines.append("measurement jobs: seconds opening engines / whole job")
+    for j in found:
+        if j["rule"] in MEASUREMENT_RULES:
+            opened = f"{j['open_seconds']:.1f} ({j['opens']} engines)" if j["open_seconds"] is not None else "-"
+            lines.append(f"  {j['key']}: {opened} / {j['seconds']:.1f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, help="a folder holding the run's benchmarks/ and logs/")
+    parser.add_argument("--study", help="one study's jobs only")
+    args = parser.parse_args()
+    found = jobs(args.run, args.study)
+    if not found:
+        raise SystemExit(f"no benchmark TSV under {args.run / 'benchmarks' / (args.study or '')}")
+    print(report(found))
+
+
+if __name__ == "__main__":
+    main()

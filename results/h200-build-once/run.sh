@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The evidence run of results/h200-build-once/ (issue 27, build once, measure that build): the real-size
+# timm XCiT study (random weights) on one offline H200 node, torch backend, from the repository root,
+# with every torch engine compiled in its build and only opened by the jobs that measure it.
+# ./.whl holds the wheels the node lacks (see ../shared/offline-gpu/README.md).
+#   OUT=/some/dir bash results/h200-build-once/run.sh
+# Both passes of the study (pass 1: everything but `time` and `profile`, builds compiling side by side;
+# pass 2: the measurements, one at a time), timed as one; then the GPU tests (GPUTESTS=0: none).
+# Every call ends by packing what exists into $OUT/evidence.tar.gz (no engines, ONNX or safetensors).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 || exit 1
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export OMP_NUM_THREADS=4 TORCHINDUCTOR_COMPILE_THREADS=4  # 16 cores shared by parallel jobs
+ev=results/evidence-build-once && mkdir -p $ev
+t0=$(date +%s)
+left() { echo $(( ${BUDGET:-560} - ($(date +%s) - t0) )); }  # the device call's 600 s, less packing
+log() { echo "[$(date -u +%FT%TZ)] $*" | tee -a $ev/log.txt; }
+stage() {
+  local name=$1; shift
+  [ -e $ev/$name.done ] && return 0
+  [ $(left) -gt 20 ] || { log "$name: no time left in this call"; return 1; }
+  log "$name: start"
+  if timeout $(left) bash -c "$*"; then touch $ev/$name.done; log "$name: done"; else log "$name: stopped ($?)"; return 1; fi
+}
+machine() {
+  nvidia-smi -q -x > $ev/nvidia-smi.xml 2>&1
+  { nvidia-smi; python3 -c "import torch, transformers, timm, snakemake, modelopt, onnxruntime, sys; print('python',
+sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__,
+'timm', timm.__version__, 'snakemake', snakemake.__version__, 'modelopt', modelopt.__version__, 'onnxruntime',
+onnxruntime.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"; lscpu | head -20; free -g
+  } > $ev/machine.txt 2>&1
+}
+study=${STUDY:-timm_xcit}
+sm="python3 -m snakemake --configfile config/h200.yaml --cores 16 --keep-going --rerun-incomplete"
+# The targets come first: --omit-from takes every word after it as a rule name.
+pass1() { $sm results/$1/README.md results/$1/audit.json --omit-from time profile >> $ev/snakemake-$1-1.txt 2>&1; }
+pass2() { $sm --cores 10 results/$1/README.md results/$1/audit.json >> $ev/snakemake-$1-2.txt 2>&1; }
+gputests() {
+  QUANTSTUDY_REQUIRE_GPU=1 python3 -m pytest ${GPUTEST_ARGS:-tests/test_gpu.py tests/test_backends.py} -q -rs \
+    -p no:cacheprovider -p no:warnings > $ev/pytest.txt 2>&1
+  echo "pytest exit status $?" >> $ev/pytest.txt
+}
+export ev sm && export -f machine pass1 pass2 gputests
+python3 -m snakemake --unlock --configfile config/h200.yaml > /dev/null 2>&1
+ok=1
+stage machine machine || ok=0
+[ $ok = 1 ] && stage pass1-$study pass1 $study && stage pass2-$study pass2 $study || ok=0
+[ $ok = 1 ] && log "study $study: both passes in $(( $(date +%s) - t0 )) s (this call)"
+[ $ok = 1 ] && python3 benchmarks/gpu_cost.py . --study $study > $ev/gpu_cost-$study.txt 2>&1
+[ $ok = 1 ] && { [ "${GPUTESTS:-1}" = 0 ] || stage gputests gputests; } && log "all stages done"
+find results/$study logs/$study benchmarks/$study \
+  \( -name '*.json' -o -name '*.md' -o -name '*.log' -o -name '*.tsv' -o -name '*.png' \) ! -path '*/data/*' 2>/dev/null |
+  tar czf $OUT/evidence.tar.gz -T - $ev
+ls -la $OUT

@@ -1,0 +1,147 @@
+"""Build once, measure that build: a compiling torch target compiles in `build`, and every job opens that.
+
+On the CPU with `compile: true` (inductor's C++ backend), on the tiny FNet FP8 variant: the build
+writes the compiled program beside the weights, a fresh process opens it with every graph found in
+it (no compile), and gets the very outputs the build's own compile gives; a shape the build did not
+compile, or a compiled file that is not the build's, is refused with the build to rerun.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from quantstudy import backends, config, families, quantization
+from quantstudy.backends import torch_backend
+from quantstudy.families.base import Setting
+
+from conftest import ROOT, observed_amax
+
+RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
+          "dequantize_dtype": "float16"}
+FP8 = {"precision": "float32", "transforms": [{"fp8": {}}]}
+TARGET = config.Target(name="cpu-torch-compiled", backend="torch", device="cpu", compile=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny FNet checkpoint, its FP8 variant at window 32, batch 2, and a variant maker."""
+    fam = families.get("fnet")
+    folder = tmp_path_factory.mktemp("fnet")
+    for name, data in fam.tiny_checkpoint_files(config.load_architecture("tiny-fnet-base"),
+                                                {"seed": 0, "mixing_input_offset": 2.5}).items():
+        (folder / name).write_bytes(data)
+    setting = Setting("b2-w32", 2, {"window": 32})
+    ids = fam.stress_inputs(fam.processor(folder), 32, 3, seed=0)["input_ids"]
+    amax = observed_amax(fam.module(folder, "main", setting), [{"input_ids": ids}])
+
+    def variant():
+        return quantization.apply_variant(fam.module(folder, "main", setting), FP8, RECIPE, amax, fam.transforms())[0]
+    return {"variant": variant, "ids": ids, "example": {"input_ids": ids[:2]}}
+
+
+@pytest.fixture(scope="module")
+def built(tiny, tmp_path_factory):
+    """The compiled engine, and what the build's own compiled program gives on three rows. One
+    intra-op thread here and in the opening process, as in the workflow's CPU jobs
+    (steps._deterministic): inductor's CPU code, and so its cache key, depends on the thread count."""
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("engine")
+    info = backends.get("torch").build(tiny["variant"](), out, TARGET, backends.Shapes((tiny["example"],)))
+    runner = torch_backend.Runner(torch_backend.load(tiny["variant"](), out), tiny["example"], compile=True)
+    return {"dir": out, "info": info, "outputs": runner({"input_ids": tiny["ids"]})["features"]}
+
+
+def _open_in_a_fresh_process(engine_dir, example_rows: int, tmp_path) -> dict:
+    """Open the engine in a new interpreter (nothing compiled in memory), as a measurement job does."""
+    script = textwrap.dedent(f"""
+        import json, logging, sys, torch
+        sys.path.insert(0, {str(ROOT / 'tests')!r})
+        from test_compiled_engine import RECIPE, FP8, TARGET
+        from quantstudy import backends, config, families, quantization
+        from quantstudy.families.base import Setting
+        from conftest import observed_amax
+        logging.basicConfig(level=logging.INFO)
+        torch.set_num_threads(1)
+        fam = families.get("fnet")
+        folder = {str(engine_dir.parent / 'checkpoint')!r}
+        setting = Setting("b2-w32", 2, {{"window": 32}})
+        ids = torch.load({str(tmp_path / 'ids.pt')!r}, weights_only=True)
+        amax = json.load(open({str(tmp_path / 'amax.json')!r}))
+        skeleton = quantization.apply_variant(fam.module(folder, "main", setting), FP8, RECIPE, amax,
+                                              fam.transforms())[0]
+        example = {{"input_ids": ids[:{example_rows}]}}
+        try:
+            runner = backends.get("torch").open({str(engine_dir)!r}, example, TARGET, skeleton)
+        except Exception as e:
+            print(json.dumps({{"error": f"{{type(e).__name__}}: {{e}}"}}))
+            sys.exit(0)
+        torch.save(runner({{"input_ids": ids}})["features"], {str(tmp_path / 'out.pt')!r})
+        print(json.dumps({{"open_seconds": runner.open_seconds}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "log": done.stderr}
+
+
+@pytest.fixture(scope="module")
+def opened_elsewhere(tiny, built, tmp_path_factory):
+    """The checkpoint, inputs and amax where a fresh process can read them (beside the engine)."""
+    tmp = tmp_path_factory.mktemp("fresh")
+    fam = families.get("fnet")
+    ckpt = built["dir"].parent / "checkpoint"
+    ckpt.mkdir(exist_ok=True)
+    for name, data in fam.tiny_checkpoint_files(config.load_architecture("tiny-fnet-base"),
+                                                {"seed": 0, "mixing_input_offset": 2.5}).items():
+        (ckpt / name).write_bytes(data)
+    torch.save(tiny["ids"], tmp / "ids.pt")
+    setting = Setting("b2-w32", 2, {"window": 32})
+    (tmp / "amax.json").write_text(json.dumps(observed_amax(fam.module(ckpt, "main", setting),
+                                                            [{"input_ids": tiny["ids"]}])))
+    return tmp
+
+
+def test_the_build_writes_its_compiled_program(built):
+    info = built["info"]
+    assert info["compiled"].endswith(torch_backend.COMPILED_FILE) and info["compiled_bytes"] > 0
+    assert info["shapes"] == [{"input_ids": [2, 32]}]
+
+
+def test_a_fresh_process_opens_it_without_compiling_and_runs_the_same_program(built, opened_elsewhere):
+    result = _open_in_a_fresh_process(built["dir"], 2, opened_elsewhere)
+    assert "error" not in result, result
+    assert "0 misses" in result["log"] and result["open_seconds"] > 0
+    # Three rows on a batch-2 engine: two calls, the second padded; the build's own program gives the same bits.
+    assert torch.equal(torch.load(opened_elsewhere / "out.pt", weights_only=True), built["outputs"])
+
+
+def test_a_shape_the_build_did_not_compile_is_refused(built, opened_elsewhere):
+    result = _open_in_a_fresh_process(built["dir"], 1, opened_elsewhere)  # batch 1: not built
+    assert result.get("error", "").startswith("NotBuilt:"), result
+    assert "snakemake --forcerun build" in result["error"]
+
+
+def test_an_engine_built_without_compiling_is_refused(tiny, tmp_path):
+    backends.get("torch").build(tiny["variant"](), tmp_path, dataclasses.replace(TARGET, compile=False),
+                                backends.Shapes((tiny["example"],)))
+    with pytest.raises(torch_backend.NotBuilt, match="without compiling"):
+        backends.get("torch").open(tmp_path, tiny["example"], TARGET, tiny["variant"]())
+
+
+def test_a_runner_refuses_a_shape_it_was_not_built_for(tiny, tmp_path):
+    backends.get("torch").build(tiny["variant"](), tmp_path, dataclasses.replace(TARGET, compile=False),
+                                backends.Shapes((tiny["example"],)))
+    runner = backends.get("torch").open(tmp_path, tiny["example"], dataclasses.replace(TARGET, compile=False),
+                                        tiny["variant"]())
+    with pytest.raises(ValueError, match=r"the engine runs input_ids \[2, 32\]"):
+        runner({"input_ids": tiny["ids"][:, :16]})
+    # More rows than the batch: chunks of 2, the last padded, each row what it gives alone.
+    three = runner({"input_ids": tiny["ids"]})["features"]
+    assert three.shape[0] == 3
+    assert torch.equal(three[2], runner({"input_ids": tiny["ids"][2:3]})["features"][0])

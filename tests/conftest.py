@@ -41,6 +41,9 @@ def observed_amax(model, batches: list[dict]) -> dict:
 # Backends as the suites name them: "torch-cuda" is the torch backend on a GPU with FP8 (real
 # _scaled_mm GEMMs, compiled, CUDA graph).
 ON_GPU = {"tensorrt", "torch-cuda"}
+# Backends whose libraries pyproject.toml pins: they import on every machine that installed it
+# (TensorRT's cannot be installed here, so its tests skip where it does not import).
+PINNED_BACKENDS = {"torch", "onnxruntime"}
 
 
 def backend_or_skip(name: str):
@@ -51,6 +54,8 @@ def backend_or_skip(name: str):
 
     module = name.removesuffix("-cuda")
     ok, why = backends.available(module)
+    if not ok and module in PINNED_BACKENDS:  # a broken install is a failure, not a skip
+        pytest.fail(f"backend {module} is pinned in pyproject.toml but does not import: {why}")
     if not ok:
         pytest.skip(f"backend {module} does not import here: {why}")
     if name in ON_GPU and not torch.cuda.is_available():

@@ -327,3 +327,13 @@ def test_a_backend_missing_part_of_the_contract_is_not_one():
         def open(self, out_dir, example, target, skeleton=None): ...
 
     assert not isinstance(NoProfile(), backends.Backend)
+
+
+def test_a_pinned_backend_that_does_not_import_fails_instead_of_skipping(monkeypatch):
+    """A broken install of a pinned library turns the suite red, not green with skips; TensorRT,
+    which cannot be installed here, skips."""
+    monkeypatch.setattr(backends, "available", lambda name: (False, f"No module named {name!r}"))
+    with pytest.raises(pytest.fail.Exception, match="onnxruntime is pinned"):
+        backend_or_skip("onnxruntime")
+    with pytest.raises(pytest.skip.Exception, match="tensorrt does not import here"):
+        backend_or_skip("tensorrt")

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("timm", reason="the timm_xcit family builds timm models (timm is not in every environment)")
 
 from quantstudy import config, export, families, quantization  # noqa: E402
 from quantstudy.families.base import Family, Setting  # noqa: E402
@@ -59,8 +58,7 @@ def tiny(fam, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dataset(fam, tmp_path_factory):
     """The tiny WebDataset split, placed like a snapshot and read by the `datasets` webdataset builder."""
-    pytest.importorskip("skimage", reason="the tiny dataset's photographs come from scikit-image")
-    datasets = pytest.importorskip("datasets")
+    import datasets
     root = tmp_path_factory.mktemp("wds")
     files = fam.tiny_dataset_files({"test": "test/*.tar"}, DATASET, config.load_architecture("tiny-xcit-nano"))
     for name, data in files.items():

@@ -69,7 +69,6 @@ def test_an_engine_setting_builds_its_own_engine(tmp_path):
 
 @pytest.fixture(scope="module")
 def detr_checkpoint(tmp_path_factory):
-    pytest.importorskip("timm", reason="Deformable DETR's models need timm")
     out = tmp_path_factory.mktemp("detr")
     arch, tiny = qc.load_architecture("tiny-deformable-detr"), {"seed": 0}
     revision = qc.tiny_revision({"architecture": arch, "tiny": tiny})
@@ -111,7 +110,6 @@ def test_one_dynamic_engine_is_timed_at_two_sizes(backend, detr_checkpoint, tmp_
 def test_the_dag_builds_a_shared_engine_once_and_times_it_at_both_sizes(tmp_path):
     """The rules (snakemake -n): one export and one build per variant at the engine's setting, a
     time job per setting, each reading that build."""
-    pytest.importorskip("timm", reason="Deformable DETR's models need timm")
     from conftest import ROOT
     from quantstudy.devtools import planned_jobs, snakemake
     from test_contract import CASES

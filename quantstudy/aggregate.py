@@ -287,14 +287,43 @@ def condition(spec: dict[str, Any], rows: pd.DataFrame) -> dict[str, Any]:
             "pass": bool(met), "note": note}
 
 
+# What makes two rows of a table the same measurement of two variants.
+ROW_KEYS = ("target", "model", "setting", "graph")
+
+
+def relative(frame: pd.DataFrame, column: str, other: str, candidate: str) -> pd.DataFrame:
+    """The candidate's rows with a column `<column> / <other>`: each row's value over the value of
+    variant `other` on the same target, model, setting (and graph); missing (NaN) where `other` has
+    no ok row there, so a condition on it is not met."""
+    keys = [k for k in ROW_KEYS if k in frame]
+    theirs = frame[frame.variant == other]
+    theirs = theirs[theirs.status == "ok"] if "status" in theirs else theirs
+    theirs = theirs[keys + [column]].rename(columns={column: "_other"}) if column in theirs else None
+    mine = frame[frame.variant == candidate]
+    if theirs is None or column not in mine:
+        return mine.iloc[0:0]
+    joined = mine.merge(theirs, on=keys, how="left")
+    joined[f"{column} / {other}"] = joined[column] / joined["_other"]
+    return joined.drop(columns="_other")
+
+
 def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
     """Apply the study's decision rule to the candidate variant's rows; every condition is shown.
 
-    Beyond the study's conditions, every measurement of the candidate must have succeeded.
+    A condition with `relative_to: <variant>` compares each candidate row's value over that
+    variant's on the same row (`relative`): "KL at most 10 x the fp16 engine's". Beyond the study's
+    conditions, every measurement of the candidate must have succeeded.
     """
     cand = study["candidate"]
     mine = {name: frame[frame.variant == cand] if "variant" in frame else frame for name, frame in tables.items()}
-    conditions = [condition(c, mine[c["table"]]) for c in study["decision"]["conditions"]]
+    conditions = []
+    for c in study["decision"]["conditions"]:
+        if "relative_to" in c:
+            column = f"{c['column']} / {c['relative_to']}"
+            result = condition({**c, "column": column}, relative(tables[c["table"]], c["column"], c["relative_to"], cand))
+            conditions.append({**result, "relative_to": c["relative_to"]})
+        else:
+            conditions.append(condition(c, mine[c["table"]]))
     failed = [src for f in mine.values() if "status" in f for src in f[f.status != "ok"].source]
     if failed:
         conditions.append({"name": "every measurement of the candidate succeeded", "observed": len(failed),

@@ -413,7 +413,9 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
         variants[name] = Variant(name, v["precision"], transforms)
     for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),
                        *[(f"baseline.by_setting.{s}", n) for s, n in doc["baseline"].get("by_setting", {}).items()],
-                       *[("quality_against", n) for n in doc.get("quality_against", [])]]:
+                       *[("quality_against", n) for n in doc.get("quality_against", [])],
+                       *[(f"decision.conditions[{i}].relative_to", c["relative_to"])
+                         for i, c in enumerate(doc["decision"]["conditions"]) if "relative_to" in c]]:
         if name not in variants:
             problems.append(f"{role} names unknown variant {name!r}; variants: {', '.join(variants)}")
     for target, only in (doc.get("targets") or {}).items():

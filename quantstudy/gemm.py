@@ -182,7 +182,7 @@ def time_shapes(shapes: list[tuple[dict[str, Any], int, str]], target, timing: d
             # What the FP8 stack ran: its ops or kernels by name, with ms per call (top 8).
             ran = [{"name": n, "ms": ms} for n, ms in
                    sorted(profiles["fp8"]["groups_ms"].items(), key=lambda kv: -kv[1])[:8]]
-            if hasattr(runners["fp8"], "fp8_gemm"):  # the torch runner knows which of its layers run _scaled_mm
+            if runners["fp8"].fp8_gemm is not None:  # the runner knows which of its layers run _scaled_mm
                 fp8_gemm = "torch._scaled_mm" if runners["fp8"].fp8_gemm else None
             else:
                 fp8_gemm = next((r["name"] for r in ran if FP8_GEMM.search(r["name"])), None)

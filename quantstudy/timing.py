@@ -299,8 +299,8 @@ def _outermost_gemm(op: Any) -> Any:
 def fp8_proof(runner: Any, calls: int = 3) -> dict[str, Any]:
     """What runs the runner's FP8 layers: the GEMM path, and on a GPU the kernels that FP8 GEMM ops
     (torch._scaled_mm on float8_e4m3fn inputs) launched in a short profile of the forward."""
-    layers = list(getattr(runner, "fp8_gemm", []) or [])
-    fake = len(getattr(runner, "fp8_layers", []) or []) - len(layers)
+    layers = list(runner.fp8_gemm or [])
+    fake = len(runner.fp8_layers or []) - len(layers)
     proof: dict[str, Any] = {"gemm": "torch._scaled_mm" if layers else ("fake-quant" if fake else "none"),
                              "fp8_gemm_layers": len(layers), "fake_quant_layers": fake, "kernels": [], "op_dtypes": [],
                              "calls_per_forward": 0}

@@ -215,6 +215,7 @@ def test_runner_interface(backend, cases, tmp_path):
     """replay/synchronize/device, and a call with more rows than the static batch (chunked)."""
     case = cases("fnet-base", "fp8")
     _, runner = _run(backend, case, tmp_path)
+    assert isinstance(runner, backends.Runner)  # the declared protocol, FP8 layer attributes included
     runner.replay()
     runner.synchronize()
     assert runner.device.type == ("cuda" if backend in ON_GPU else "cpu")

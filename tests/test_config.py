@@ -236,3 +236,14 @@ def test_a_quality_only_model_cannot_have_a_timing_only_setting(tmp_path):
     with pytest.raises(qc.ConfigError, match=r"model 'fnet-large' has timing: false, so its setting 'b8-w512' "
                                              r"\(quality: false\) would measure nothing"):
         load(doc, tmp_path)
+
+
+def test_a_relative_condition_must_name_a_variant(tmp_path):
+    doc = study_doc()
+    doc["decision"]["conditions"].append({"name": "top-1 within 1.01 x fp16's", "table": "quality",
+                                          "column": "mlm.top1_agreement", "relative_to": "fp61", "reduce": "min",
+                                          "compare": ">=", "threshold": 0.99})
+    with pytest.raises(qc.ConfigError, match=r"decision.conditions\[\d+\].relative_to names unknown variant 'fp61'"):
+        load(doc, tmp_path)
+    doc["decision"]["conditions"][-1]["relative_to"] = "fp16"
+    load(doc, tmp_path)

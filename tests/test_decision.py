@@ -95,3 +95,29 @@ def test_direction_of_x():
     assert slower["x"] == 0.8
     d = decide(study(SPEED), {"speed": speed(("fp8", 1, slower["x"], "ok")), "quality": GOOD_Q})
     assert not d["ship"]
+
+
+KL_VS_FP16 = {"name": "KL at most 10 x fp16's", "table": "quality", "column": "wikitext.kl", "relative_to": "fp16",
+              "reduce": "max", "compare": "<=", "threshold": 10}
+
+
+def kl(*rows) -> pd.DataFrame:
+    return pd.DataFrame([{"variant": v, "target": "t", "model": m, "setting": "s", "wikitext.kl": k, "status": "ok",
+                          "source": f"{v}-{m}/quality.json"} for v, m, k in rows])
+
+
+@pytest.mark.parametrize("fp8_kl,ship", [(0.02, True), (0.0200001, False)])
+def test_a_relative_condition_compares_with_the_other_variants_value_on_the_same_row(fp8_kl, ship):
+    """fp8's KL over fp16's on the same model: 0.02 / 0.002 = 10 meets "at most 10 x"; a hair more does
+    not. The other model's fp16 KL (ten times smaller) must not be the one divided by."""
+    q = kl(("fp16", "a", 0.002), ("fp8", "a", fp8_kl), ("fp16", "b", 0.0002), ("fp8", "b", 0.001))
+    d = decide(study(KL_VS_FP16), {"speed": speed(), "quality": q})
+    assert d["ship"] is ship
+    assert d["conditions"][0]["observed"]["max"] == pytest.approx(fp8_kl / 0.002)
+    assert d["conditions"][0]["relative_to"] == "fp16"
+
+
+def test_a_relative_condition_without_the_other_variants_row_is_not_met():
+    q = kl(("fp16", "a", 0.002), ("fp8", "a", 0.003), ("fp8", "b", 0.001))
+    c = decide(study(KL_VS_FP16), {"speed": speed(), "quality": q})["conditions"][0]
+    assert not c["pass"] and c["note"] == "1 of 2 rows not measured"

@@ -49,6 +49,11 @@ class Runner(Protocol):
     transfer); `synchronize()` waits for the device."""
 
     device: torch.device
+    # What the runner knows of its FP8 layers: their names, and those that run real FP8 GEMMs
+    # (torch: FP8Linear layers, and those on torch._scaled_mm). None where the engine itself
+    # decides and its kernels or inspector tell (ONNX Runtime, TensorRT).
+    fp8_layers: list[str] | None
+    fp8_gemm: list[str] | None
 
     def __call__(self, inputs: Inputs) -> Inputs: ...
 

@@ -266,6 +266,7 @@ class Runner:
     def __init__(self, out_dir: Path, example: dict[str, torch.Tensor], target):
         self.device = _require_gpu()
         self.out_dir = out_dir
+        self.fp8_layers = self.fp8_gemm = None  # the engine decides; its profile and inspector tell
         mark = LOGGER.mark()
         self.runtime = trt.Runtime(LOGGER)
         self.engine = self.runtime.deserialize_cuda_engine((out_dir / PLAN_FILE).read_bytes())

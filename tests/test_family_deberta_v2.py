@@ -526,6 +526,6 @@ def test_gemm_calls_are_the_recipe_layers_on_the_hidden_rows(base, one_cpu_threa
     extra = collections.Counter(c["layer"].rsplit(".", 1)[-1] for c in calls["fp8-all-calls"]) - collections.Counter(
         c["layer"].rsplit(".", 1)[-1] for c in calls["fp8"])
     assert extra == {"query_proj": 2, "key_proj": 2}  # each layer's positional products, now FP8
-    shapes = gemm.time_calls({"fp8": calls["fp8"]}, {"fp8": "float16"}, {"backend": "torch", "device": "cpu"},
+    shapes = gemm.time_calls({"fp8": calls["fp8"]}, {"fp8": "float16"}, config.Target(name="cpu-torch", backend="torch", device="cpu"),
                              {"warmup": 1, "rounds": 2, "calls_per_round": 1})
     assert sorted((s["dims"][1:], s["copies"]) for s in shapes.values()) == [([h, h], 8), ([h, i], 2), ([i, h], 2)]

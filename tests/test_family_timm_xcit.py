@@ -497,7 +497,7 @@ def test_gemm_calls_are_the_recipe_layers_at_the_engines_shapes(fam, tiny, one_c
                     ("mlp.fc2", [196, 4 * c, c]))},
                 **{f"cls_attn_blocks.{b}.attn.{p}": [197, c, c] for b in (0, 1) for p in ("k", "v")}}
     assert {x["layer"]: x["dims"] for x in calls} == expected and len(calls) == len(summary["fp8_layers"]) == 12
-    shapes = gemm.time_calls({"fp8": calls}, {"fp8": "float16"}, {"backend": "torch", "device": "cpu"},
+    shapes = gemm.time_calls({"fp8": calls}, {"fp8": "float16"}, config.Target(name="cpu-torch", backend="torch", device="cpu"),
                              {"warmup": 1, "rounds": 2, "calls_per_round": 1})
     assert sorted(s["copies"] for s in shapes.values()) == [2, 2, 2, 2, 4]
     assert all(s["emulated"] and s["fp8_gemm"] is None and s["g"] > 0 for s in shapes.values())

@@ -133,9 +133,9 @@ def test_budget_stops_cleanly_before_a_setting_and_keeps_the_issue_order(bench, 
 
 def test_compile_workers_compile_the_engines_this_process_then_reads(bench, tmp_path, monkeypatch):
     # The tiny run with its CPU engines compiled, into an inductor cache of this test's own. The
-    # project's two engines are compiled by their builds (in this process: 2 misses; opening them
-    # then reuses dynamo's compiled code), the two plain ones by the workers, whose cache this
-    # process then reads (2 hits): none is compiled anew when opened.
+    # project's two engines are compiled by their builds (in this process: 2 misses), the two plain
+    # ones by the workers, whose cache this process then reads (2 hits; opening a project engine may
+    # add one from its compiled program, or reuse the build's code): none is compiled when opened.
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
@@ -154,7 +154,7 @@ def test_compile_workers_compile_the_engines_this_process_then_reads(bench, tmp_
         f"fnet-base-w128-plain-{v}.log" for v in (row["baseline"], row["candidate"]))
     hits = counters["inductor"]["fxgraph_cache_hit"] - before.get("fxgraph_cache_hit", 0)
     misses = counters["inductor"]["fxgraph_cache_miss"] - before.get("fxgraph_cache_miss", 0)
-    assert (hits, misses) == (2, 2)
+    assert misses == 2 and hits >= 2, (hits, misses)
 
 
 H200_OUTPUT = ROOT / "results" / "h200-torch-vs-plain"

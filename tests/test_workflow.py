@@ -315,7 +315,7 @@ def test_the_chain_names_the_first_broken_link(workflow_copy, tmp_path):
     # A job that opens it refuses it, naming the build to redo.
     proc = snakemake(repo, "--configfile", ".test/config.yaml", "--forcerun", "time", "--keep-going", timing)
     doc = json.loads((repo / timing).read_text())
-    assert doc["status"] == "failed" and f"the engine {engine} is not the one the build of fp8 made" in doc["error"]
+    assert doc["status"] == "failed" and f"{engine} is not the file the build of fp8 made" in doc["error"]
 
 
 def _forge(path: Path, edit) -> None:
@@ -494,7 +494,8 @@ def test_each_built_variant_has_a_measurements_record_read_from_its_files(workfl
     torch_fp8 = json.loads((Path(str(w512).format("cpu-torch", "fp8")) / "measurements.json").read_text())
     assert torch_fp8["onnx"] == "not exported" and torch_fp8["fp8_path"].startswith("fake-quant")
     assert torch_fp8["graphs"]["main"]["layers"]["fp8_linear"]["weight"] == ["float8_e4m3fn"]
-    assert torch_fp8["builder"] == {"device": "cpu", "torch_compile": False, "cuda_graph": False}
+    assert torch_fp8["builder"] == {"device": "cpu", "torch_compile": False, "compiled_program": "none",
+                                    "cuda_graph": False}
     fp16 = json.loads((Path(str(w512).format("cpu-torch", "fp16-hs")) / "measurements.json").read_text())
     assert fp16["amax"] == "none" and fp16["fp8_layers"] == {"count": 0, "names": "none"} and fp16["fp8_path"] == "none"
     assert fp16["graphs"]["main"]["layers"]["linear"]["weight"] == ["float16"]

@@ -26,3 +26,19 @@ def test_ranges_and_formats():
     assert render.span(None) == "not measured"
     assert render.sci(5.9e-06) == "5.9e-06" and render.sci(0.0095) == "0.0095"
     assert render.value_range([1.0, None, float("nan"), 3.0]) == {"min": 1.0, "max": 3.0, "n": 2}
+
+
+def test_a_relative_condition_renders_its_factor_and_the_variant():
+    """A decision condition relative to another variant shows its threshold as a factor of that
+    variant's value, beside the absolute ones (on the committed XCiT evidence's tables)."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
+    tables["decision"]["conditions"].append(
+        {"name": "KL at most 10 x fp16's", "column": "kl / fp16", "reduce": "max", "compare": "<=",
+         "observed": {"min": 3.5, "max": 12.25, "n": 2}, "threshold": 10, "relative_to": "fp16", "pass": False,
+         "note": ""})
+    rows = [line for line in render.render_section(tables).splitlines() if line.startswith("| KL at most")]
+    assert rows == ["| KL at most 10 x fp16's | 3.5000 to 12.2500 | 10 x fp16's | no |"]

@@ -57,7 +57,7 @@ def backend_or_skip(name: str):
     if not ok and module in PINNED_BACKENDS:  # a broken install is a failure, not a skip
         pytest.fail(f"backend {module} is pinned in pyproject.toml but does not import: {why}")
     if not ok:
-        pytest.skip(f"backend {module} does not import here: {why}")
+        pytest.skip(why)  # "backend tensorrt does not import here: ..."
     if name in ON_GPU and not torch.cuda.is_available():
         skip_without_gpu(f"backend {name} needs a CUDA GPU; torch sees none here")
     if name == "torch-cuda" and torch.cuda.get_device_capability() < (8, 9):

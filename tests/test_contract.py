@@ -35,7 +35,7 @@ class Case:
     tiny: dict
     setting: Setting
     quantize: list[str]  # the write-up's recipe patterns
-    requires: str | None = None  # a package the family's models need (skipped, with why, where it is missing)
+    requires: str | None = None  # a package the family's models need (pinned: a missing one fails the suite)
     # An end-to-end bound for FP8 graphs where the model amplifies FP8 rounding flips (deformable
     # sampling moves with them), with the family test that checks the Q/DQ layer by layer instead.
     fp8_tolerance: float | None = None

@@ -338,7 +338,7 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
         if opens(f"project {v}"):
             with fx_graph_cache() as cache:
                 runners[f"project {v}"] = steps.open_engines(family, builds[v], study.recipe, ckpt, st,
-                                                             steps._target(target), [graph])[graph]
+                                                             config.Target.from_params(target), [graph])[graph]
             done(f"project {v}{on}: open (compile, capture{cache})")
         if opens(f"plain {v}"):
             module = plain.model(family, snapshot, st, builds[v], target["device"], graph)

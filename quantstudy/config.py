@@ -96,6 +96,11 @@ class Target:
     compile: bool = False
     builder: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "Target":
+        """A target as rules pass it (plain values under `target`: its name, so that Snakemake sees a change)."""
+        return cls(**{"name": params["target"], **{k: v for k, v in params.items() if k != "target"}})
+
 
 @dataclass(frozen=True)
 class Study:
@@ -172,7 +177,7 @@ class Study:
         `engine:` names it. The engine is built for each of their shapes."""
         served = [s for t, m, s, v in self.engines([target])
                   if (m, v) == (model, variant) and self.engine_setting(s) == setting]
-        return sorted(dict.fromkeys([setting, *served]), key=lambda s: s != setting)
+        return list(dict.fromkeys([setting, *served]))
 
     def builds(self, run_targets):
         """(target, model, setting, variant) of every engine built: those the study measures, each

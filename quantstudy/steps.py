@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 from quantstudy import artifacts, hub
 from quantstudy.artifacts import now, provenance, read_json, sha256_path, write_json
+from quantstudy.config import Target
 
 log = logging.getLogger("quantstudy")
 
@@ -262,13 +263,6 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
 
 # --- engines ---------------------------------------------------------------------------------
 
-def _target(target: dict[str, Any]):
-    """A target as rules pass it (plain values, so that Snakemake sees a change) -> config.Target."""
-    from quantstudy.config import Target
-
-    return Target(**{"name": target["target"], **{k: v for k, v in target.items() if k != "target"}})
-
-
 def _record(kind: str, rule: str, out: str, ident: dict[str, Any], inputs: dict[str, Any], params: dict[str, Any],
             measure, on_failure: dict[str, Any] | None = None) -> dict[str, Any]:
     """The one way a step writes what it measured: `measure()`'s fields as the ok record, or, if it
@@ -369,11 +363,11 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
               **({"export": export_json} if export_json else {})}
     params = {"spec": spec, "recipe": recipe, "target": target, "setting": setting, "serves": serves}
     made: dict[str, Any] = {}  # what the measurements record needs besides the build record
+    tgt = Target.from_params(target)
 
     def measure() -> dict[str, Any]:
         _deterministic()
         amax_doc = read_json(amax_json, "amax") if amax_json else None
-        tgt = _target(target)
         backend = backends.get(tgt.backend)
         st, engines, ckpt = _setting(setting), {}, _snapshot(checkpoint_json)
         served = [_setting(s) for s in serves or [setting]]
@@ -410,7 +404,7 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
     doc = _record("build", "build", out, ident, inputs, params, measure, {"spec": spec})
     if doc["status"] == "ok":
         try:
-            record.measurements(ident, _target(target), read_json(out, "build"), out, made.get("linear"), amax_json,
+            record.measurements(ident, tgt, read_json(out, "build"), out, made.get("linear"), amax_json,
                                 made.get("export"), export_json, out_measurements, started)
             return
         except Exception:  # a build whose record cannot be made is a failed build
@@ -469,7 +463,7 @@ def open_engines(family: str, build_doc: dict[str, Any], recipe: dict, checkpoin
 
 def _opened(runners: dict[str, Any]) -> dict[str, float]:
     """{graph: seconds} it took to open each engine that a job opened from a compiled program."""
-    return {g: round(r.open_seconds, 3) for g, r in runners.items() if getattr(r, "open_seconds", None) is not None}
+    return {g: round(r.open_seconds, 3) for g, r in runners.items() if r.open_seconds is not None}
 
 
 def _probe(family: str, build_doc: dict[str, Any], checkpoint_json: str, setting, runners: dict[str, Any]
@@ -518,7 +512,7 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
 
     def measure() -> dict[str, Any]:
         _deterministic()
-        st, tgt = _setting(setting), _target(target)
+        st, tgt = _setting(setting), Target.from_params(target)
         # {variant: its runners}: the variant's engines, and its baseline's (the same ones for the baseline itself)
         runners = {doc["variant"]: open_engines(family, doc, recipe, checkpoint_json, st, tgt)
                    for doc in {d["variant"]: d for d in (variant_doc, base_doc)}.values()}
@@ -550,7 +544,7 @@ def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting:
 
     def measure() -> dict[str, Any]:
         _deterministic()  # as in the build: inductor's CPU code depends on the thread count
-        fam, st, tgt = _family(family), _setting(setting), _target(target)
+        fam, st, tgt = _family(family), _setting(setting), Target.from_params(target)
         build_doc = read_json(build_json, "build")
         runners = open_engines(family, build_doc, recipe, checkpoint_json, st, tgt)
         regions = set(fam.regions) | {quantization.FP8_REGION}
@@ -580,7 +574,7 @@ def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
     def measure() -> dict[str, Any]:
         _deterministic()
         amax_doc = read_json(amax_json, "amax")
-        fam, st, ckpt, tgt = _family(family), _setting(setting), _snapshot(checkpoint_json), _target(target)
+        fam, st, ckpt, tgt = _family(family), _setting(setting), _snapshot(checkpoint_json), Target.from_params(target)
         graphs = {}
         for g in fam.graphs(st, architecture):
             calls, variants = {}, {}
@@ -648,7 +642,7 @@ def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting
 
     def measure() -> dict[str, Any]:
         _deterministic()
-        st, tgt = _setting(setting), _target(target)
+        st, tgt = _setting(setting), Target.from_params(target)
         build_doc = read_json(build_json, "build")
         with _gpu_work(tgt.device), torch.no_grad():
             runners = open_engines(family, build_doc, recipe, checkpoint_json, st, tgt)

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
-from quantstudy import backends, config, families, quantization
+from quantstudy import backends, config, families, quantization, steps
 from quantstudy.backends import torch_backend
 from quantstudy.families.base import Setting
 
@@ -48,10 +51,10 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def built(tiny, tmp_path_factory):
-    """The compiled engine, and what the build's own compiled program gives on three rows. One
-    intra-op thread here and in the opening process, as in the workflow's CPU jobs
-    (steps._deterministic): inductor's CPU code, and so its cache key, depends on the thread count."""
-    torch.set_num_threads(1)
+    """The compiled engine, and what the build's own compiled program gives on three rows. Here and in
+    the opening process, the process settings every workflow job sets (steps._deterministic: one
+    intra-op thread on a CPU host, TF32 off): inductor's code, and so its cache key, depends on them."""
+    steps._deterministic()
     out = tmp_path_factory.mktemp("engine")
     info = backends.get("torch").build(tiny["variant"](), out, TARGET, backends.Shapes((tiny["example"],)))
     runner = torch_backend.Runner(torch_backend.load(tiny["variant"](), out), tiny["example"], compile=True)
@@ -68,7 +71,8 @@ def _open_in_a_fresh_process(engine_dir, example_rows: int, tmp_path) -> dict:
         from quantstudy.families.base import Setting
         from conftest import observed_amax
         logging.basicConfig(level=logging.INFO)
-        torch.set_num_threads(1)
+        from quantstudy import steps
+        steps._deterministic()
         fam = families.get("fnet")
         folder = {str(engine_dir.parent / 'checkpoint')!r}
         setting = Setting("b2-w32", 2, {{"window": 32}})
@@ -145,3 +149,18 @@ def test_a_runner_refuses_a_shape_it_was_not_built_for(tiny, tmp_path):
     three = runner({"input_ids": tiny["ids"]})["features"]
     assert three.shape[0] == 3
     assert torch.equal(three[2], runner({"input_ids": tiny["ids"][2:3]})["features"][0])
+
+
+def test_inductor_cache_folders_of_ended_processes_are_removed():
+    """Each job's inductor caches live in a folder of its process; a job server's worker ends by
+    os._exit, which cleans nothing, so the next process that opens or builds an engine removes the
+    folders of processes that have ended, and keeps its own and those of live ones."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = torch_backend.CACHE_ROOT / ended.stdout.strip()
+    live = torch_backend.CACHE_ROOT / str(os.getppid())  # pytest's parent shell: alive
+    for folder in (stale, live):
+        (folder / "kernels").mkdir(parents=True, exist_ok=True)
+    fresh = Path(torch_backend._fresh_cache_dir())
+    assert not stale.exists() and live.exists()
+    assert fresh.is_dir() and fresh.parent == torch_backend.CACHE_ROOT / str(os.getpid())
+    shutil.rmtree(live)

@@ -54,6 +54,9 @@ class Runner(Protocol):
     # decides and its kernels or inspector tell (ONNX Runtime, TensorRT).
     fp8_layers: list[str] | None
     fp8_gemm: list[str] | None
+    # Seconds it took to open the engine from a compiled program (torch); None where nothing is loaded
+    # but the engine file itself.
+    open_seconds: float | None
 
     def __call__(self, inputs: Inputs) -> Inputs: ...
 

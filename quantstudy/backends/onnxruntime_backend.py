@@ -95,11 +95,12 @@ class OnnxRuntimeBackend:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         engine = _place(Path(onnx_path), out_dir)
-        session = ort.InferenceSession(str(engine), _session_options(target), providers=PROVIDERS)
+        options = _session_options(target)
+        session = ort.InferenceSession(str(engine), options, providers=PROVIDERS)
         files = [p for p in out_dir.iterdir() if p.is_file() and not p.name.endswith(".json")]
         return {"engine": str(engine), "engine_bytes": sum(p.stat().st_size for p in files),
                 "onnxruntime": {"version": ort.__version__, "providers": session.get_providers(),
-                                "graph_optimization_level": str(_session_options(target).graph_optimization_level)}}
+                                "graph_optimization_level": str(options.graph_optimization_level)}}
 
     @staticmethod
     def open(out_dir: str | Path, example: dict[str, torch.Tensor], target, skeleton=None) -> "Runner":
@@ -130,6 +131,7 @@ class Runner:
         self.engine, self.target = engine, target
         self.device = torch.device("cpu")
         self.fp8_layers = self.fp8_gemm = None  # the engine decides; its profile and inspector tell
+        self.open_seconds = None
         self.session = ort.InferenceSession(str(engine), _session_options(target), providers=PROVIDERS)
         self.input_shapes = {i.name: i.shape for i in self.session.get_inputs()}
         self.input_types = {i.name: _NUMPY_TYPES[i.type] for i in self.session.get_inputs()}

@@ -267,6 +267,7 @@ class Runner:
         self.device = _require_gpu()
         self.out_dir = out_dir
         self.fp8_layers = self.fp8_gemm = None  # the engine decides; its profile and inspector tell
+        self.open_seconds = None
         mark = LOGGER.mark()
         self.runtime = trt.Runtime(LOGGER)
         self.engine = self.runtime.deserialize_cuda_engine((out_dir / PLAN_FILE).read_bytes())

@@ -11,8 +11,8 @@ loads those artifacts into a cache of its own and compiles nothing: dynamo trace
 (seconds), and every graph must then be found in the loaded artifacts, or opening fails and names the
 build to rerun. So the timed, the profiled and the evaluated program are the same kernels with the
 same autotuning choices. What keys a compiled graph includes process settings the build and every
-job set alike (steps._deterministic; on a CPU, inductor's code depends on the intra-op thread count). (An AOTInductor package would also skip the trace, but loading one
-segfaulted on torch 2.11.)
+job set alike (steps._deterministic; on a CPU, inductor's code depends on the intra-op thread count).
+(An AOTInductor package would also skip the trace, but loading one segfaulted on torch 2.11.)
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from quantstudy.artifacts import atomic_write
 from quantstudy.backends import Inputs, Shapes, batch_chunks, register
 
 ENGINE_FILE = "engine.safetensors"
@@ -58,15 +60,42 @@ def _save_weights(model: nn.Module, out_dir: Path) -> dict[str, Any]:
             "weight_dtypes": sorted({str(v.dtype).removeprefix("torch.") for v in state.values()})}
 
 
+# Each process's inductor caches, in a folder named by its pid (_fresh_cache_dir).
+CACHE_ROOT = Path(tempfile.gettempdir()) / f"quantstudy-inductor-{os.getuid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _fresh_cache_dir() -> str:
+    """A fresh folder for inductor's on-disk caches, in this process's folder under CACHE_ROOT. It must
+    last as long as the process (compiled kernels load lazily from it), and a job may end by os._exit
+    (the job server's workers), which runs no clean-up: so each call removes the folders of processes
+    that have ended instead."""
+    CACHE_ROOT.mkdir(exist_ok=True)
+    for folder in CACHE_ROOT.iterdir():
+        if folder.name.isdigit() and int(folder.name) != os.getpid() and not _alive(int(folder.name)):
+            shutil.rmtree(folder, ignore_errors=True)
+    mine = CACHE_ROOT / str(os.getpid())
+    mine.mkdir(exist_ok=True)
+    return tempfile.mkdtemp(dir=mine)
+
+
 @contextlib.contextmanager
 def _own_inductor_cache() -> Iterator[None]:
     """Inductor's on-disk caches in a fresh folder, and a fresh record of cache artifacts: a build
-    compiles from nothing (all it made is recorded), and an opening job finds only what it loaded.
-    The folder stays until the process ends: compiled kernels load lazily from it."""
+    compiles from nothing (all it made is recorded), and an opening job finds only what it loaded."""
     from torch.compiler._cache import CacheArtifactManager
 
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="quantstudy-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _fresh_cache_dir()
     try:
         with CacheArtifactManager.with_fresh_cache():
             yield
@@ -77,10 +106,17 @@ def _own_inductor_cache() -> Iterator[None]:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
-def _cache_counts() -> dict[str, int]:
+@contextlib.contextmanager
+def _fx_graph_cache() -> Iterator[dict[str, int]]:
+    """Inductor's FX graph cache lookups inside the block, by outcome: hit, miss (compiled), bypass
+    (compiled, not cacheable). The dict is filled when the block ends."""
     from torch._dynamo.utils import counters
 
-    return {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")}
+    def counts() -> dict[str, int]:
+        return {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")}
+    before, found = counts(), {}
+    yield found
+    found.update({k: v - before[k] for k, v in counts().items()})
 
 
 def load(skeleton: nn.Module, out_dir: str | Path, device: str = "cpu") -> nn.Module:
@@ -133,19 +169,16 @@ class TorchBackend:
         # of the same class and shapes, and this build would then compile, and record, nothing.
         torch.compiler.reset()
         with _own_inductor_cache():
-            before = _cache_counts()
-            for example in shapes.examples:
-                Runner(load(model, out_dir, target.device), example, target.device, compile=True)
-            made = {k: _cache_counts()[k] - before[k] for k in before}
+            with _fx_graph_cache() as made:
+                for example in shapes.examples:
+                    Runner(load(model, out_dir, target.device), example, target.device, compile=True)
             if made["bypass"]:
                 raise NotBuilt(f"inductor could not cache {made['bypass']} of the engine's graphs, so every job "
                                f"would compile them again")
             saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             raise NotBuilt("torch.compile recorded no cache artifacts for the engine")
-        tmp = out_dir / f".{COMPILED_FILE}.tmp"
-        tmp.write_bytes(saved[0])
-        tmp.replace(out_dir / COMPILED_FILE)
+        atomic_write(out_dir / COMPILED_FILE, saved[0])
         seconds = time.perf_counter() - started
         log.info("compiled %s at %d shape(s) in %.1f s: %d graphs, %d bytes of cache artifacts", out_dir,
                  len(shapes.examples), seconds, made["miss"], len(saved[0]))
@@ -166,9 +199,8 @@ class TorchBackend:
             raise NotBuilt(f"{compiled} is missing: the engine was built without compiling; rebuild it")
         with _own_inductor_cache():
             torch.compiler.load_cache_artifacts(compiled.read_bytes())
-            before = _cache_counts()
-            runner = Runner(model, example, target.device, compile=True)
-            found = {k: _cache_counts()[k] - before[k] for k in before}
+            with _fx_graph_cache() as found:
+                runner = Runner(model, example, target.device, compile=True)
         if found["miss"] or found["bypass"]:
             raise NotBuilt(f"opening {out_dir} at {_shape_of(example)} had to compile {found['miss'] + found['bypass']} "
                            f"graph(s) that its build did not: the build compiled other shapes or other code; "

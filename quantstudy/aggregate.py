@@ -34,8 +34,24 @@ def flatten(blocks: dict[str, dict[str, Any]], prefix: str = "") -> dict[str, An
 
 
 def _error(doc: dict[str, Any]) -> str | None:
-    lines = (doc.get("error") or "").strip().splitlines()
-    return lines[-1] if lines else None  # a traceback's last line names the error
+    """A failed record's error as one line: the whole text of the exception that ended its traceback
+    (a TensorRT builder error spans several lines, and the last one alone often names no cause)."""
+    return exception_text(doc.get("error") or "")
+
+
+def exception_text(error: str) -> str | None:
+    """The final exception of a Python traceback (every line of its message), or the text as it is when
+    it holds no traceback, joined into one line."""
+    lines = error.strip().splitlines()
+    # The last frame is "  File ..." followed by its indented source lines; the exception follows them.
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    if frames:
+        i = frames[-1] + 1
+        while i < len(lines) and lines[i].startswith("    "):
+            i += 1
+        lines = lines[i:]
+    text = " ".join(line.strip() for line in lines if line.strip())
+    return text or None
 
 
 def _variant_ident(path: str) -> dict[str, str]:
@@ -138,8 +154,10 @@ def _quality(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
 
 
 def _build(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
+    # engine_bytes: every graph's engine together; engine_bytes.<graph>: each one's (a plan per engine).
     yield {"engine_bytes": doc.get("engine_bytes"), "fp8_layers": len(doc.get("fp8_layers") or []),
-           "precision": doc.get("precision"), "dequantize_dtype": doc.get("dequantize_dtype")}
+           "precision": doc.get("precision"), "dequantize_dtype": doc.get("dequantize_dtype"),
+           **{f"engine_bytes.{g}": e.get("engine_bytes") for g, e in (doc.get("graphs") or {}).items()}}
 
 
 def _joined(values: list[str] | str) -> str:
@@ -195,7 +213,7 @@ BOUND_COLUMNS = ("f", "g", "bound", "x_of_bound", "at_limit", "f_kind", "f_basis
                  "f_source", "g_source")
 
 
-def _last_line(doc: dict[str, Any]) -> str:
+def _error_text(doc: dict[str, Any]) -> str:
     return _error(doc) or "no error text"
 
 
@@ -214,7 +232,7 @@ def _bound(row: dict[str, Any], gemms: dict[tuple, tuple[str, dict | None]], ker
     if gemm_doc["status"] != "ok":
         if row["variant"] not in gemm_doc["provenance"]["params"].get("specs", {}):
             return out | {"bound_note": "no FP8 layer"}
-        return out | {"bound_note": f"GEMM timing failed: {_last_line(gemm_doc)}"}
+        return out | {"bound_note": f"GEMM timing failed: {_error_text(gemm_doc)}"}
     graphs = gemm_doc["graphs"]
     graph = row.get("graph") if row.get("graph") in graphs else (next(iter(graphs)) if len(graphs) == 1 else None)
     if graph is None:
@@ -223,7 +241,7 @@ def _bound(row: dict[str, Any], gemms: dict[tuple, tuple[str, dict | None]], ker
         return out | {"bound_note": "no FP8 layer"}
     measured = graphs[graph]["variants"][row["variant"]]
     if measured["status"] != "ok":
-        return out | {"bound_note": f"GEMM timing failed: {_last_line(measured)}"}
+        return out | {"bound_note": f"GEMM timing failed: {_error_text(measured)}"}
     if not measured["calls"]:
         return out | {"f": 0.0, "bound": 1.0, "f_kind": "exact", "bound_note": "no FP8 GEMM runs in this graph"}
     out.update(g=measured["g"], fp8_emulated=measured["emulated"])
@@ -232,7 +250,7 @@ def _bound(row: dict[str, Any], gemms: dict[tuple, tuple[str, dict | None]], ker
         return out | {"bound_note": f"no readable profile of the baseline {baseline}"}
     out["f_source"] = kernel_path
     if kernel_doc["status"] != "ok":
-        return out | {"bound_note": f"profile of the baseline {baseline} failed: {_last_line(kernel_doc)}"}
+        return out | {"bound_note": f"profile of the baseline {baseline} failed: {_error_text(kernel_doc)}"}
     if graph not in kernel_doc["graphs"]:
         return out | {"bound_note": f"the baseline's profile has no graph {graph}"}
     try:

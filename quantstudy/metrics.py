@@ -159,3 +159,51 @@ def real_rows_finite(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     (padded positions are masked out of attention and never read)."""
     real = mask.bool().unsqueeze(-1).expand_as(x) if x.dim() == mask.dim() + 1 else mask.bool()
     return (torch.isfinite(x) | ~real).flatten(1).all(dim=1)
+
+
+# --- causal language models: next-token agreement, perplexity, multiple choice (GPT-Neo study) ---
+
+def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float | None:
+    """exp of the mean negative log-likelihood of `targets` [tokens] under `logits` [tokens, vocab], in
+    float64; None where any row is non-finite (the non-finite scan counts those)."""
+    if logits.shape[0] == 0 or not finite_rows(logits).all():
+        return None
+    return float(torch.exp(F.cross_entropy(logits.double(), targets.long(), reduction="mean")))
+
+
+def next_token_agreement(ref_logits: torch.Tensor, eng_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+    """Teacher-forced next-token quality of an engine against the reference, token by token: KL(reference ||
+    engine) (mean, p99) and top-1 agreement over the tokens whose engine logits are finite, and the
+    engine's perplexity of the targets."""
+    return {**mlm_agreement(ref_logits, eng_logits), "perplexity": perplexity(eng_logits, targets)}
+
+
+def continuation_loglik(logits: torch.Tensor, ids: torch.Tensor, start: int, end: int) -> float:
+    """Log-likelihood of the tokens ids[start:end] of one row given the tokens before each:
+    sum over j of log_softmax(logits[j - 1])[ids[j]], in float64 (logits [tokens, vocab], ids [tokens])."""
+    if not 0 < start < end <= ids.shape[0]:
+        raise ValueError(f"a continuation [{start}, {end}) needs a context before it within {ids.shape[0]} tokens")
+    logp = F.log_softmax(logits[start - 1:end - 1].double(), dim=-1)
+    return float(logp.gather(1, ids[start:end].long()[:, None]).sum())
+
+
+def chosen(scores: list[list[float]]) -> list[int]:
+    """Per question, the index of the highest-scoring choice (the first of a tie); -1 where a score is
+    non-finite."""
+    return [max(range(len(s)), key=lambda i: (s[i], -i)) if all(math.isfinite(v) for v in s) else -1
+            for s in scores]
+
+
+def multiple_choice(scores: list[list[float]], answers: list[int],
+                    reference_choices: list[int] | None = None) -> dict[str, Any]:
+    """Accuracy of the highest-scoring choice per question (`chosen`); a question with a non-finite score
+    counts as wrong, and is counted. With `reference_choices`: the share of questions where the choice
+    is the reference's."""
+    if not scores:
+        return {"accuracy": None, "questions": 0, "nonfinite_questions": 0}
+    picks = chosen(scores)
+    out = {"accuracy": sum(c == a for c, a in zip(picks, answers)) / len(scores), "questions": len(scores),
+           "nonfinite_questions": picks.count(-1)}
+    if reference_choices is not None:
+        out["agreement_with_reference"] = sum(c == r for c, r in zip(picks, reference_choices)) / len(scores)
+    return out

@@ -233,6 +233,8 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
     """Static activation amax per linear layer from ModelOpt max calibration at this setting's shape,
     on the family's calibration batches through its first graph. Several sample files (a recipe's
     list of sample sets) are calibrated on as one list, in order."""
+    import torch
+
     from quantstudy import quantization
 
     started = now()
@@ -242,17 +244,19 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
     graph = next(iter(fam.graphs(st, architecture)))
     paths = [samples_json] if isinstance(samples_json, (str, Path)) else list(samples_json)
     samples = [s for p in paths for s in read_samples(p, family)]
+    # The module in the calibration's dtype (default fp32; bf16 where the write-up calibrated the bf16 model).
+    dtype = recipe["activation_calibration"].get("dtype", "float32")
     with _gpu_work(device):
-        module = fam.module(ckpt, graph, st).to(device)
+        module = fam.module(ckpt, graph, st).to(device, getattr(torch, dtype))
         batches = [{k: v.to(device) for k, v in b.items()} for b in fam.calibration_batches(ckpt, samples, st)]
-        log.info("calibrating %s (%s, graph %s) on %d samples (%d batches)", model, st.name, graph, len(samples),
-                 len(batches))
+        log.info("calibrating %s (%s, graph %s, %s) on %d samples (%d batches)", model, st.name, graph, dtype,
+                 len(samples), len(batches))
         amax = quantization.calibrate(module, batches, Progress("calibration batches", len(batches)))
     layers = quantization.select(sorted(amax), recipe["quantize"])
     report = quantization.outliers(amax, layers, recipe["outlier_ratio"])
     log.info("largest scale ratio to the median: %s; outliers: %s", report["largest_ratio"], report["layers"])
     write_json(out, "amax", {
-        "model": model, "setting": st.name, "shape": dict(st.shape), "graph": graph, "device": device, "amax": amax,
+        "model": model, "setting": st.name, "shape": dict(st.shape), "graph": graph, "device": device, "dtype": dtype, "amax": amax,
         "recipe_layers": layers, "outliers": report,
         "calibration": {"config": recipe["activation_calibration"], "samples": len(samples), "batches": len(batches)},
         "provenance": provenance("calibrate", {"checkpoint": checkpoint_json,
@@ -610,17 +614,18 @@ def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
 def _batched_run(runners: dict[str, Any], batch: int):
     """The family's view of the engines: run(inputs, what, graph, whole) -> outputs gathered on the CPU.
     Rows go to the engine `batch` at a time (`whole`: all in one call, which the engine itself runs in
-    chunks of the batch it was built for)."""
+    chunks of the batch it was built for); a call that names `what` logs its progress."""
     import torch
 
     def run(inputs: dict[str, Any], what: str = "", graph: str = "main", whole: bool = False) -> dict[str, Any]:
         runner = runners[graph]
         rows = next(iter(inputs.values())).shape[0]
         step = rows if whole else batch
-        progress, outs = Progress(what or graph, rows), []
+        progress, outs = Progress(what, rows) if what else None, []
         for i in range(0, rows, step):
             outs.append({k: v.cpu() for k, v in runner({k: v[i:i + step] for k, v in inputs.items()}).items()})
-            progress(min(i + step, rows))
+            if progress:
+                progress(min(i + step, rows))
         return {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
     return run
 

@@ -53,20 +53,21 @@ def test_cluster_configs_load_once_their_revisions_are_locked(name, tmp_path, mo
 
 
 def test_a_study_whose_quality_steps_are_not_written_stops_when_they_are_planned(tmp_path):
-    """GPT-Neo's engines are written, its quality steps not (GPTNeo.unwritten): the embedded default
-    lists it under engine_studies, which the workflow does not run. Under studies, planning its
-    reference and evaluate jobs stops the run before any job, saying what is missing."""
+    """Deformable DETR's engines are written, its quality steps not (DeformableDetr.unwritten): the
+    embedded default lists it under engine_studies, which the workflow does not run. Under studies,
+    planning its reference and evaluate jobs stops the run before any job, saying what is missing."""
     doc = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     run = qc.load_run(doc)
-    assert "gpt_neo" in run.engine_studies and "gpt_neo" not in run.studies
-    assert run.engine_studies["gpt_neo"].unwritten.startswith("its quality steps")
-    assert run.studies["fnet"].unwritten is None
-    proc = dry_run_with_studies(tmp_path, {"gpt_neo": doc["engine_studies"]["gpt_neo"]})
+    assert "deformable_detr" in run.engine_studies and "deformable_detr" not in run.studies
+    assert run.engine_studies["deformable_detr"].unwritten.startswith("its quality steps")
+    assert run.studies["gpt_neo"].unwritten is None
+    proc = dry_run_with_studies(tmp_path, {"deformable_detr": doc["engine_studies"]["deformable_detr"]})
     assert proc.returncode != 0
     said = proc.stdout + proc.stderr  # Snakemake prints its errors on stdout
-    assert "study gpt_neo: its quality steps" in said and "are not written yet" in said
-    with pytest.raises(qc.ConfigError, match="gpt_neo: listed under both studies and engine_studies"):
-        qc.load_run({**doc, "studies": {**doc["studies"], "gpt_neo": doc["engine_studies"]["gpt_neo"]}})
+    assert "study deformable_detr: its quality steps" in said and "are not written yet" in said
+    with pytest.raises(qc.ConfigError, match="deformable_detr: listed under both studies and engine_studies"):
+        qc.load_run({**doc, "studies": {**doc["studies"],
+                                        "deformable_detr": doc["engine_studies"]["deformable_detr"]}})
 
 
 @pytest.mark.parametrize("call", sorted(p.name for p in (ROOT / "config/realsize/calls").glob("*.yaml")))

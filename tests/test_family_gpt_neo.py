@@ -1,9 +1,9 @@
 """gpt_neo family: the recipe's layers at real size, the static-cache engines against Transformers,
 and both engines exported (fp16, FP8 Q/DQ) and run in ONNX Runtime and the ONNX reference evaluator.
 
-A tiny random-init GPT-Neo (2 layers: one global, one local attention layer with a window of 8),
-prefill 12 and cache 16: prompts and decode positions pass the window, so the local layer's mask
-is exercised.
+The embedded default's tiny random-init GPT-Neo cut to 2 layers (one global, one local attention
+layer) with a local window of 8, prefill 12 and cache 16: prompts and decode positions pass the
+window, so the local layer's mask is exercised.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from quantstudy import config, export, families, quantization, timing
-from quantstudy.families import base
+from quantstudy.families import base, gpt_neo
 
 from conftest import observed_amax
 
@@ -31,6 +31,9 @@ VARIANTS = {
     "fp32-fp8": {"precision": "float32", "transforms": [{"fp8": {}}, {"fp32_dequantize": {}}]},
 }
 SETTING = base.Setting("p12-c16", 1, {"prefill": 12, "cache": 16})
+# Two layers (one global, one local; the tolerances below were measured over two) and a window of 8.
+ARCH = {**config.load_architecture("tiny-gpt-neo-125m"), "num_layers": 2,
+        "attention_types": [[["global", "local"], 1]], "window_size": 8}
 EPS32, EPS16 = torch.finfo(torch.float32).eps, torch.finfo(torch.float16).eps
 
 
@@ -43,7 +46,7 @@ def fam():
 def checkpoint(fam, tmp_path_factory):
     """The tiny checkpoint, written as files and loaded like a real one."""
     folder = tmp_path_factory.mktemp("tiny-gpt-neo")
-    for name, data in fam.tiny_checkpoint_files(config.load_architecture("tiny-gpt-neo-125m"), {"seed": 0}).items():
+    for name, data in fam.tiny_checkpoint_files(ARCH, {"seed": 0}).items():
         (folder / name).write_bytes(data)
     return folder
 
@@ -109,7 +112,7 @@ def test_reference_loads_in_the_asked_dtype(fam, checkpoint):
 
 def test_graph_inputs_and_outputs(fam, checkpoint):
     """example_inputs have the graphs' names, dtypes and shapes; the modules return the graphs' outputs."""
-    graphs = fam.graphs(SETTING, config.load_architecture("tiny-gpt-neo-125m"))
+    graphs = fam.graphs(SETTING, ARCH)
     for name, graph in graphs.items():
         inputs = fam.example_inputs(checkpoint, name, SETTING)
         assert list(inputs) == list(graph.inputs)
@@ -166,7 +169,7 @@ def test_static_cache_matches_transformers_incremental_decoding(fam, checkpoint)
                            .abs().max() / want.logits.abs().max())
             past = _cache(got)
     # Discriminating: ignoring the local layer's window changes the logits once a position passes it.
-    window = config.load_architecture("tiny-gpt-neo-125m")["window_size"]
+    window = ARCH["window_size"]
     assert max(without[:window - n]) <= tol < min(without[window - n:])
 
 
@@ -237,9 +240,9 @@ def test_exported_graphs_run_in_onnxruntime(graph, fam, checkpoint, exported):
       a flip would need a value within ~1e-7 of a rounding boundary: 64 float32 ulps allowed,
       and the graph must be far from the same model without FP8 (below).
     """
-    graph_spec = fam.graphs(SETTING, config.load_architecture("tiny-gpt-neo-125m"))[graph]
+    graph_spec = fam.graphs(SETTING, ARCH)[graph]
     recipe_layers = sorted(quantization.select(
-        fam.quantizable_layers(config.load_architecture("tiny-gpt-neo-125m")), RECIPE["quantize"]))
+        fam.quantizable_layers(ARCH), RECIPE["quantize"]))
     assert len(recipe_layers) == 2 * 5
     tolerance = {"fp16": 4 * EPS16, "fp8": 0.06, "fp32-fp8": 64 * EPS32}
     for variant, tol in tolerance.items():
@@ -308,8 +311,16 @@ def test_draw_samples(fam, checkpoint):
     assert sorted(q["id"] for q in questions) == list(range(6))
     assert all(q["answer"] == q["id"] % 3 and q["choices"] == ["mi", "ne ru", "sa"] for q in questions)
     assert len({q["sha256"] for q in questions}) == 3  # the answer is part of what is hashed
-    with pytest.raises(ValueError, match="passages"):
-        fam.draw_samples(chat, {"kind": "passages", "count": 1}, tokenizer)
+    # A held-out set in the same seeded order from an offset past the rows the first set drew: disjoint.
+    later = fam.draw_samples(chat, {**spec, "offset": 10}, tokenizer)
+    seeded = fam.draw_samples(chat, {**spec, "count": 20, "min_tokens": 1, "max_tokens": 99}, tokenizer)
+    assert [s["id"] for s in later] == [s["id"] for s in seeded[10:] if 2 <= s["tokens"] <= 10][:5]
+    # WikiText's running text: the split's non-blank rows in order, as they are.
+    wiki = datasets.Dataset.from_list([{"text": t} for t in [" = ka = \n", "", " lo mi \n", " \n", " ne \n"]])
+    passages = fam.draw_samples(wiki, {"kind": "passages", "count": 3}, tokenizer)
+    assert [(p["id"], p["text"]) for p in passages] == [(0, " = ka = \n"), (2, " lo mi \n"), (4, " ne \n")]
+    with pytest.raises(ValueError, match="sentence_pairs"):
+        fam.draw_samples(chat, {"kind": "sentence_pairs", "count": 1}, tokenizer)
 
 
 def test_calibration_batches(fam, checkpoint):
@@ -341,3 +352,111 @@ def test_kernel_groups_of_an_eager_fp8_decode(fam, exported):
                                    {quantization.FP8_REGION, *fam.regions})["groups_ms"]
     assert set(groups) <= set(fam.kernel_groups)
     assert all(groups.get(g, 0) > 0 for g in ("FP8 projection GEMMs", "attention", "fp16 GEMMs"))
+
+
+# --- the quality steps: data, decode check, reference and evaluate ------------------------------
+
+def _run(fam, checkpoint, setting=SETTING):
+    """The harness's view (steps._batched_run) of the fp32 prefill and decode modules."""
+    from quantstudy import steps
+
+    modules = {g: fam.module(checkpoint, g, setting) for g in ("prefill", "decode")}
+    as_runner = lambda m: (lambda inputs: m(**inputs))
+    return steps._batched_run({g: as_runner(m) for g, m in modules.items()}, setting.batch)
+
+
+def _prompts(tokenizer, lengths: list[int], prefill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.full((len(lengths), prefill), 511)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.randint(0, 511, (n,), generator=g)
+    return ids, torch.tensor(lengths)
+
+
+def test_decode_with_the_cache_equals_prefill_on_the_same_prefix(fam, checkpoint):
+    """fp32 engines: every greedy decode step picks prefill's token on the same prefix, logits equal to
+    float32 rounding; steps stop where the prefix fills the prefill (n + steps <= 12). Positions 4..11
+    pass the local window of 8."""
+    run = _run(fam, checkpoint)
+    with torch.no_grad():
+        block, nonfinite = gpt_neo.decode_check(run, *_prompts(fam.processor(checkpoint), [4, 9], 12), 12, 16,
+                                                steps=8, tolerance=0.0)
+    assert block["steps"] == 8 + 3 and block["same_token"] == block["steps"] and block["beyond_tolerance"] == 0
+    assert block["max_logit_difference"] < 1e-4
+    assert nonfinite == {"bad": 0, "of": 2 + 2 * 11}  # a prefill per prompt, a decode and a prefill per step
+
+
+def test_the_decode_check_sees_a_decode_that_writes_the_token_one_row_late(fam, checkpoint):
+    """The same check on a decode engine fed position + 1 (its key and value land one cache row late,
+    and a stale row stays visible): the logits no longer match prefill's."""
+    run = _run(fam, checkpoint)
+
+    def late(inputs, what="", graph="main", whole=False):
+        if graph == "decode":
+            inputs = {**inputs, "position": inputs["position"] + 1}
+        return run(inputs, what, graph, whole)
+    with torch.no_grad():
+        block, _ = gpt_neo.decode_check(late, *_prompts(fam.processor(checkpoint), [4, 9], 12), 12, 16,
+                                        steps=8, tolerance=0.0)
+    assert block["max_logit_difference"] > 1e-2
+
+
+def test_teacher_forced_chunks_and_their_next_tokens(fam, checkpoint):
+    """Passages' tokens as one stream: 2 chunks of 5, each position's target the stream's next token
+    (the last chunk's last target is the first token after it)."""
+    tok = fam.processor(checkpoint)
+    words = [tok.convert_ids_to_tokens(i) for i in range(2, 14)]
+    passages = [{"text": " ".join(words[:4])}, {"text": " ".join(words[4:])}]
+    chunks, targets = gpt_neo.teacher_forced(tok, passages, 10, 5)
+    assert chunks.tolist() == [list(range(2, 7)), list(range(7, 12))]
+    assert targets.tolist() == list(range(3, 13))
+    with pytest.raises(ValueError, match="need 13"):
+        gpt_neo.teacher_forced(tok, passages, 12, 6)
+    with pytest.raises(ValueError, match="not a whole number"):
+        gpt_neo.teacher_forced(tok, passages, 10, 4)
+
+
+def test_arc_rows_score_each_choice_after_the_same_prompt(fam, checkpoint):
+    """"Question: <q>\\nAnswer:" then the choice: every row starts with the prompt's tokens, the choice
+    starts where they end, rows are padded to the prefill; a question too long for it is refused."""
+    tok = fam.processor(checkpoint)
+    w = [tok.convert_ids_to_tokens(i) for i in range(2, 8)]
+    sample = {"id": 0, "question": f"{w[0]} {w[1]}", "choices": [w[2], f"{w[3]} {w[4]}"], "answer": 1}
+    prompt = tok(gpt_neo.ARC_PROMPT.format(question=sample["question"]))["input_ids"]
+    arc = gpt_neo.arc_inputs(tok, [sample], 12, 511)
+    assert arc["arc_starts"].tolist() == [len(prompt)] * 2
+    assert arc["arc_ends"].tolist() == [len(prompt) + 1, len(prompt) + 2]
+    assert arc["arc_ids"][1, :len(prompt) + 2].tolist() == prompt + [5, 6]
+    assert (arc["arc_ids"][0, len(prompt) + 1:] == 511).all() and arc["arc_question"].tolist() == [0, 0]
+    with pytest.raises(ValueError, match="max_tokens"):
+        gpt_neo.arc_inputs(tok, [sample], len(prompt) + 1, 511)
+
+
+def test_an_engine_equal_to_the_reference_scores_as_the_reference(fam, checkpoint):
+    """reference (fp32 here) then evaluate of the fp32 engines: KL 0 and full agreement on the
+    teacher-forced tokens, the reference's own perplexity and ARC accuracy, every ARC choice the
+    reference's, decode agreeing with prefill, nothing non-finite."""
+    from quantstudy import fixtures
+
+    tok, vocab = fam.processor(checkpoint), fixtures.words(511)
+    rows = lambda kind, n: fixtures.dataset_files({"x": "x-*.parquet"}, {"kind": kind, "seed": 0, "rows": n}, 512)
+    import io
+
+    import pandas as pd
+    read = lambda kind, n: pd.read_parquet(io.BytesIO(next(iter(rows(kind, n).values())))).to_dict("records")
+    arc_rows = [{**r, "choices": {k: list(v) for k, v in r["choices"].items()}} for r in read("multiple_choice", 40)]
+    samples = {"wikitext": fam.draw_samples(read("passages", 10), {"kind": "passages", "count": 10}, tok),
+               "arc_easy": fam.draw_samples(arc_rows, {"kind": "multiple_choice", "count": 3, "max_tokens": 32}, tok),
+               "short_prompts": [{"id": 0, "text": " ".join(vocab[2:6])}]}
+    assert len(samples["arc_easy"]) == 3
+    metrics = {"teacher_forced_tokens": 64, "decode_steps": 4, "decode_tolerance": 0.0}
+    setting = base.Setting("p32-c32", 1, {"prefill": 32, "cache": 32})
+    with torch.no_grad():
+        tensors, ref_blocks = fam.reference(checkpoint, samples, setting, metrics, {}, "cpu", torch.float32)
+        result = fam.evaluate(checkpoint, _run(fam, checkpoint, setting), tensors, samples, setting, metrics, {}, "cpu")
+    wiki, arc = result.blocks["wikitext"], result.blocks["arc_easy"]
+    assert wiki["tokens"] == 64 and wiki["top1_agreement"] == 1.0 and wiki["kl_mean"] < 1e-9
+    assert wiki["perplexity"] == pytest.approx(ref_blocks["wikitext"]["perplexity"], rel=1e-5)
+    assert arc["accuracy"] == ref_blocks["arc_easy"]["accuracy"] and arc["agreement_with_reference"] == 1.0
+    assert result.blocks["decode"]["steps"] == 4 and result.blocks["decode"]["beyond_tolerance"] == 0
+    assert result.total_nonfinite == 0 and result.nonfinite["arc_easy"]["of"] == tensors["arc_ids"].shape[0]

@@ -151,3 +151,51 @@ def test_token_cosine_over_real_tokens():
     eng[0, 1, 0] = math.nan
     worst = qm.token_cosine(ref, eng, torch.tensor([[1, 1, 0]]))
     assert worst["min"] == -1.0 and worst["nonfinite_tokens"] == 1
+
+
+# --- causal language models (GPT-Neo study) ---------------------------------------------------
+
+def test_perplexity_of_uniform_logits_is_the_vocabulary_size():
+    """Every token equally likely among 50: each target costs log 50, so perplexity is 50."""
+    assert qm.perplexity(torch.zeros(7, 50), torch.arange(7)) == pytest.approx(50)
+
+
+def test_perplexity_by_hand_and_none_on_a_nan_row():
+    """Two tokens, the targets' probabilities 1/2 and 1/8: exp(-(ln 1/2 + ln 1/8) / 2) = sqrt(16) = 4."""
+    logits = torch.log(torch.tensor([[0.5, 0.5, 1e-30], [0.125, 0.875, 1e-30]]))
+    assert qm.perplexity(logits, torch.tensor([0, 0])) == pytest.approx(4)
+    logits[1, 2] = float("nan")
+    assert qm.perplexity(logits, torch.tensor([0, 0])) is None
+
+
+def test_next_token_agreement_gives_kl_top1_and_the_engines_perplexity():
+    """Reference (0.5, 0.5) and (0.9, 0.1); engine (0.5, 0.5) and (0.1, 0.9): KL 0 and 0.8 ln 9,
+    one top-1 of two the same (the first row ties; argmax takes index 0 in both), perplexity of
+    targets [0, 0] under the engine = 1 / sqrt(0.5 * 0.1)."""
+    ref = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.1]]))
+    eng = torch.log(torch.tensor([[0.5, 0.5], [0.1, 0.9]]))
+    block = qm.next_token_agreement(ref, eng, torch.tensor([0, 0]))
+    assert block["kl_mean"] == pytest.approx((0 + 0.8 * math.log(9)) / 2)
+    assert block["top1_agreement"] == 0.5 and block["tokens"] == 2
+    assert block["perplexity"] == pytest.approx(1 / math.sqrt(0.05))
+
+
+def test_continuation_loglik_sums_the_choice_tokens_given_the_tokens_before():
+    """Tokens [3, 1, 2], continuation [1, 3): log p(1 | row 0) + log p(2 | row 1), read from the logits
+    of the position before each."""
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.4, 0.1], [0.7, 0.1, 0.1, 0.1]])
+    got = qm.continuation_loglik(torch.log(probs), torch.tensor([3, 1, 2]), 1, 3)
+    assert got == pytest.approx(math.log(0.2) + math.log(0.4))
+    with pytest.raises(ValueError, match="needs a context"):
+        qm.continuation_loglik(torch.log(probs), torch.tensor([3, 1, 2]), 0, 2)
+
+
+def test_multiple_choice_accuracy_ties_and_a_nonfinite_question():
+    """Q1 picks choice 2 (right); Q2 ties choices 0 and 1 and takes the first (wrong, the answer is 1);
+    Q3 has a NaN score: wrong, and counted. Against the reference's choices [2, 1, 0]: Q1 agrees only."""
+    scores = [[-3.0, -2.0, -1.0], [-1.0, -1.0, -5.0], [float("nan"), -1.0, -2.0]]
+    block = qm.multiple_choice(scores, [2, 1, 1], reference_choices=[2, 1, 0])
+    assert block["accuracy"] == pytest.approx(1 / 3) and block["questions"] == 3
+    assert block["nonfinite_questions"] == 1
+    assert block["agreement_with_reference"] == pytest.approx(1 / 3)
+    assert qm.chosen(scores) == [2, 0, -1]

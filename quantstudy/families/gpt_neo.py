@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,6 @@ from quantstudy.families import base, register
 KERNEL_GROUPS = ["FP8 projection GEMMs", "fp16 GEMMs", "attention", "other"]
 ATTENTION_REGION = "gpt_neo.attention"
 REGIONS = {ATTENTION_REGION: "attention"}
-UNIMPLEMENTED = "gpt_neo: the study's metrics come with its study (issue 9)"
 EOS = "<|endoftext|>"  # GPT-2's only special token: beginning, end and unknown of text
 
 
@@ -188,8 +188,7 @@ class GPTNeo:
 
     kernel_groups = KERNEL_GROUPS
     regions = REGIONS
-    unwritten = ("its quality steps (reference and evaluate: next-token KL and top-1 agreement against "
-                 "PyTorch bf16, WikiText-2 perplexity, ARC-Easy) and their data")
+    unwritten = None  # every step of the study is written
     # GPU kernels that no recognised op launched (compiled or fused code), by name.
     kernel_patterns = [("FP8 projection GEMMs", r"(e4m3|fp8|f8f8)"),
                        ("attention", r"(fmha|flash|attention|softmax)"),
@@ -284,19 +283,24 @@ class GPTNeo:
 
     # --- samples -------------------------------------------------------------------------
     def draw_samples(self, rows: Any, spec: dict[str, Any], processor: Any) -> list[dict[str, Any]]:
-        """Seeded samples of a split within the spec's token bounds (by the study's tokenizer).
+        """Samples of a split within the spec's token bounds (by the study's tokenizer).
 
         kind chat_prompts (nvidia/Nemotron-Post-Training-Dataset-v1 rows): the first user turn,
-          {"id", "text", "tokens", "sha256"};
-        kind multiple_choice (allenai/ai2_arc rows): {"id", "question", "choices", "answer"
-          (index of the right choice), "tokens" (question and longest choice), "sha256"}.
+          {"id", "text", "tokens", "sha256"}, in the order shuffled with `seed` from position `offset`
+          (a held-out set: the calibration set's seed, an offset past the rows it drew);
+        kind multiple_choice (allenai/ai2_arc rows), seeded likewise: {"id", "question", "choices",
+          "answer" (index of the right choice), "tokens" (of the prompt with its longest choice), "sha256"};
+        kind passages (WikiText rows): the split's non-blank rows in order, as they are (WikiText's running
+          text, which perplexity reads as one stream), {"id", "text", "tokens", "sha256"}.
         `id` is the row's index in the split.
         """
         kind = spec["kind"]
-        if kind not in ("chat_prompts", "multiple_choice"):
-            raise ValueError(f"gpt_neo draws chat_prompts or multiple_choice samples, not {kind!r}")
+        if kind not in ("chat_prompts", "multiple_choice", "passages"):
+            raise ValueError(f"gpt_neo draws chat_prompts, multiple_choice or passages samples, not {kind!r}")
         order = list(range(len(rows)))
-        random.Random(spec.get("seed", 0)).shuffle(order)
+        if kind != "passages":
+            random.Random(spec.get("seed", 0)).shuffle(order)
+            order = order[spec.get("offset", 0):]
         lo, hi = spec.get("min_tokens", 1), spec.get("max_tokens", 10**9)
         count = lambda text: len(processor(text)["input_ids"])
         samples: list[dict[str, Any]] = []
@@ -305,12 +309,14 @@ class GPTNeo:
             if kind == "chat_prompts":
                 text = next((m["content"] for m in row["messages"] if m["role"] == "user"), "").strip()
                 sample = {"id": i, "text": text, "tokens": count(text)} if text else None
+            elif kind == "passages":
+                text = row["text"]
+                sample = {"id": i, "text": text, "tokens": count(text)} if text.strip() else None
             else:
                 choices = list(row["choices"]["text"])
-                answer = list(row["choices"]["label"]).index(row["answerKey"])
-                longest = max(choices, key=len)
-                sample = {"id": i, "question": row["question"], "choices": choices, "answer": answer,
-                          "tokens": count(f"{row['question']} {longest}")}
+                sample = {"id": i, "question": row["question"], "choices": choices,
+                          "answer": list(row["choices"]["label"]).index(row["answerKey"])}
+                sample["tokens"] = max(len(ids) for ids, _ in arc_rows(processor, sample))
             if sample is not None and lo <= sample["tokens"] <= hi:
                 samples.append({**sample, "sha256": _content_sha(sample)})
             if len(samples) == spec["count"]:
@@ -361,11 +367,62 @@ class GPTNeo:
         return fixtures.dataset_files(files, tiny, architecture["vocab_size"])
 
     # --- measurements --------------------------------------------------------------------
-    def reference(self, checkpoint, samples, setting, metrics, seeds, device, dtype):
-        raise NotImplementedError(UNIMPLEMENTED)
+    def reference(self, checkpoint: str | Path, samples: dict[str, list[dict[str, Any]]], setting: base.Setting,
+                  metrics: dict[str, Any], seeds: dict[str, int], device: str, dtype: Any):
+        """GPTNeoForCausalLM (eager attention, in the study's reference dtype: bf16) on the held-out data,
+        each text on its own and unpadded: the teacher-forced WikiText-2 chunks' logits (kept in the
+        model's dtype, as it computed them), each ARC choice's log-likelihood; and the engines' inputs
+        (chunks; ARC rows and short prompts padded to the prefill), so that every engine reads the same.
 
-    def evaluate(self, checkpoint, run, reference, samples, setting, metrics, seeds, device, against):
-        raise NotImplementedError(UNIMPLEMENTED)
+        Sample sets: `wikitext` (passages), `arc_easy` (multiple_choice), `short_prompts` (chat_prompts).
+        """
+        from quantstudy import metrics as qm
+
+        model, tok = self.load_reference(checkpoint, dtype).to(device), self.processor(checkpoint)
+        prefill, eos = setting["prefill"], tok.convert_tokens_to_ids(EOS)
+        logits = lambda ids: model(input_ids=ids[None].to(device)).logits[0].cpu()
+        chunks, targets = teacher_forced(tok, samples["wikitext"], metrics["teacher_forced_tokens"], prefill)
+        tf_logits = torch.cat([logits(c) for c in chunks])
+        arc = arc_inputs(tok, samples["arc_easy"], prefill, eos)
+        scores = [qm.continuation_loglik(logits(ids[:end]), ids, start, end)
+                  for ids, start, end in zip(arc["arc_ids"], arc["arc_starts"].tolist(), arc["arc_ends"].tolist())]
+        prompts = short_prompts(tok, samples["short_prompts"], prefill, eos)
+        by_question = _per_question(scores, arc["arc_question"])
+        tensors = {"tf_chunks": chunks.to(torch.int32), "tf_targets": targets, "tf_logits": tf_logits.to(dtype),
+                   **arc, "arc_scores": torch.tensor(scores, dtype=torch.float64), **prompts}
+        blocks = {"wikitext": {"perplexity": qm.perplexity(tf_logits, targets), "tokens": int(targets.numel())},
+                  "arc_easy": qm.multiple_choice(by_question, [s["answer"] for s in samples["arc_easy"]])}
+        return tensors, blocks
+
+    def evaluate(self, checkpoint: str | Path, run: base.Run, reference: dict[str, torch.Tensor],
+                 samples: dict[str, list[dict[str, Any]]], setting: base.Setting, metrics: dict[str, Any],
+                 seeds: dict[str, int], device: str, against=None) -> base.Evaluation:
+        """Against the bf16 reference: next-token KL, top-1 agreement and perplexity on the teacher-forced
+        WikiText-2 chunks (prefill engine); ARC-Easy accuracy by the sum of each choice's token
+        log-likelihoods; the decode engine against the prefill engine (`decode_check`); and the
+        non-finite scan of the logits and every K/V output on each of those inputs."""
+        from quantstudy import metrics as qm
+
+        nonfinite: dict[str, dict[str, Any]] = {}
+        tf = run({"input_ids": reference["tf_chunks"].long()}, "teacher-forced WikiText-2 chunks", graph="prefill")
+        nonfinite["wikitext"] = {"bad": _bad_rows(tf), "of": reference["tf_chunks"].shape[0]}
+        wikitext = qm.next_token_agreement(reference["tf_logits"].float(), tf["logits"].flatten(0, 1).float(),
+                                           reference["tf_targets"])
+        scores, bad = [], 0
+        ids, starts, ends = reference["arc_ids"].long(), reference["arc_starts"].tolist(), reference["arc_ends"].tolist()
+        for i in range(0, ids.shape[0], ARC_ROWS_PER_CALL):
+            out = run({"input_ids": ids[i:i + ARC_ROWS_PER_CALL]}, graph="prefill")
+            bad += _bad_rows(out)
+            scores += [qm.continuation_loglik(lg, row, s, e) for lg, row, s, e in
+                       zip(out["logits"], ids[i:i + ARC_ROWS_PER_CALL], starts[i:], ends[i:])]
+        nonfinite["arc_easy"] = {"bad": bad, "of": ids.shape[0]}
+        questions = reference["arc_question"]
+        arc = qm.multiple_choice(_per_question(scores, questions), [s["answer"] for s in samples["arc_easy"]],
+                                 qm.chosen(_per_question(reference["arc_scores"].tolist(), questions)))
+        decode, nonfinite["short_prompts"] = decode_check(run, reference["prompt_ids"], reference["prompt_lengths"],
+                                                          setting["prefill"], setting["cache"], metrics["decode_steps"],
+                                                          metrics["decode_tolerance"])
+        return base.Evaluation({"wikitext": wikitext, "arc_easy": arc, "decode": decode}, nonfinite)
 
     @staticmethod
     def kernel_group(region: str | None, name: str, device: str, op: dict[str, Any] | None,
@@ -392,3 +449,119 @@ class GPTNeo:
     @staticmethod
     def transforms() -> dict[str, Any]:
         return {}
+
+
+# --- the quality data: what the reference and every engine read ------------------------------
+
+ARC_PROMPT = "Question: {question}\nAnswer:"  # lm-evaluation-harness's ARC prompt; the choice follows after a space
+ARC_ROWS_PER_CALL = 8  # prefill rows per engine call when scoring ARC (their logits come back to the CPU)
+
+
+def arc_rows(tokenizer, sample: dict[str, Any]) -> list[tuple[list[int], int]]:
+    """Each choice of a question as (the prompt's token ids followed by the choice's, where the choice
+    starts). Prompt and choice are tokenized apart, so every choice is scored after the same context."""
+    context = tokenizer(ARC_PROMPT.format(question=sample["question"]))["input_ids"]
+    return [(context + tokenizer(" " + c)["input_ids"], len(context)) for c in sample["choices"]]
+
+
+def arc_inputs(tokenizer, samples: list[dict[str, Any]], prefill: int, pad: int) -> dict[str, torch.Tensor]:
+    """Every choice of every question as one prefill row, padded on the right with `pad`: arc_ids [rows,
+    prefill], the choice's first and end token positions (arc_starts, arc_ends) and its question's index."""
+    rows, starts, ends, question = [], [], [], []
+    for q, sample in enumerate(samples):
+        for ids, start in arc_rows(tokenizer, sample):
+            if len(ids) > prefill:
+                raise ValueError(f"ARC question {sample['id']}: a choice takes {len(ids)} tokens, more than the "
+                                 f"prefill of {prefill}; draw the questions with max_tokens <= {prefill}")
+            rows.append(ids + [pad] * (prefill - len(ids)))
+            starts.append(start)
+            ends.append(len(ids))
+            question.append(q)
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64)
+    return {"arc_ids": as_tensor(rows).view(-1, prefill), "arc_starts": as_tensor(starts),
+            "arc_ends": as_tensor(ends), "arc_question": as_tensor(question)}
+
+
+def teacher_forced(tokenizer, passages: list[dict[str, Any]], tokens: int, prefill: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The passages' text as one token stream, cut into tokens / prefill chunks of `prefill` tokens, and
+    each position's next token in the stream (the target of its logits): chunks [n, prefill], targets
+    [n * prefill]. Each chunk is read on its own (no context from the chunk before)."""
+    if tokens % prefill:
+        raise ValueError(f"teacher_forced_tokens {tokens} is not a whole number of {prefill}-token prefill chunks")
+    stream: list[int] = []
+    for p in passages:
+        stream += tokenizer(p["text"])["input_ids"]
+    if len(stream) < tokens + 1:
+        raise ValueError(f"the wikitext samples hold {len(stream)} tokens; {tokens} teacher-forced tokens "
+                         f"need {tokens + 1}: draw more passages")
+    ids = torch.tensor(stream[:tokens + 1], dtype=torch.int64)
+    return ids[:tokens].view(-1, prefill), ids[1:]
+
+
+def short_prompts(tokenizer, samples: list[dict[str, Any]], prefill: int, pad: int) -> dict[str, torch.Tensor]:
+    """The short held-out prompts padded to the prefill (prompt_ids), and their lengths."""
+    rows, lengths = [], []
+    for s in samples:
+        ids = tokenizer(s["text"])["input_ids"]
+        if not 0 < len(ids) < prefill:
+            raise ValueError(f"short prompt {s['id']}: {len(ids)} tokens; the decode check needs 1 to "
+                             f"{prefill - 1} (draw them with max_tokens < the prefill)")
+        rows.append(ids + [pad] * (prefill - len(ids)))
+        lengths.append(len(ids))
+    return {"prompt_ids": torch.tensor(rows, dtype=torch.int64).view(-1, prefill),
+            "prompt_lengths": torch.tensor(lengths, dtype=torch.int64)}
+
+
+def _per_question(scores: list[float], question: torch.Tensor) -> list[list[float]]:
+    out: list[list[float]] = [[] for _ in range(int(question.max()) + 1 if question.numel() else 0)]
+    for score, q in zip(scores, question.tolist()):
+        out[q].append(score)
+    return out
+
+
+def _bad_rows(outputs: dict[str, torch.Tensor]) -> int:
+    """Rows (first axis) with a NaN or an infinity in any output: the logits or a K/V cache."""
+    from quantstudy import metrics as qm
+
+    ok = torch.stack([qm.finite_rows(v) for v in outputs.values()]).all(dim=0)
+    return int((~ok).sum())
+
+
+def decode_check(run: base.Run, prompt_ids: torch.Tensor, lengths: torch.Tensor, prefill: int, cache: int,
+                 steps: int, tolerance: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Greedy decoding with the KV cache against prefill on the same prefix, one engine's pair.
+
+    Per prompt of n tokens: prefill it, take the top token, then for each step k (up to `steps`, while
+    the prefix fits the prefill and the cache) decode that token at position n + k from the caches, and
+    prefill the prompt with every token chosen so far. A step agrees where both pick the same top token;
+    it is within `tolerance` where they differ but the prefill's logit of the decoded token is at most
+    `tolerance` below its top logit (a near tie that rounding may flip). Returns the block and the
+    non-finite count of the calls (logits and caches)."""
+    same = within = total = bad = calls = 0
+    max_diff = 0.0
+    for ids, n in zip(prompt_ids, lengths.tolist()):
+        pre = run({"input_ids": ids[None]}, graph="prefill")
+        bad, calls = bad + _bad_rows(pre), calls + 1
+        token, past, seq = pre["logits"][0, n - 1].float().argmax(), _as_past(pre), ids.clone()
+        for pos in range(n, min(n + steps, prefill, cache)):
+            seq[pos] = token
+            dec = run({"input_ids": token.view(1, 1), "position": torch.tensor([pos]), **past}, graph="decode")
+            full = run({"input_ids": seq[None]}, graph="prefill")
+            bad, calls = bad + _bad_rows(dec) + _bad_rows(full), calls + 2
+            d, p = dec["logits"][0, 0].float(), full["logits"][0, pos].float()
+            token, top = d.argmax(), p.argmax()
+            total += 1
+            same += int(token == top)
+            within += int(token == top or bool(p[top] - p[token] <= tolerance))
+            diff = float((d - p).abs().max())
+            max_diff = max(max_diff, diff) if math.isfinite(diff) else max_diff  # a NaN step is counted as bad
+            past = _as_past(dec)
+    block = {"prompts": int(prompt_ids.shape[0]), "steps": total, "same_token": same, "within_tolerance": within,
+             "beyond_tolerance": total - within, "tolerance": tolerance, "max_logit_difference": max_diff}
+    return block, {"bad": bad, "of": calls}
+
+
+def _as_past(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A graph's present_* outputs as the next decode's past_* inputs."""
+    return {k.replace("present_", "past_"): v for k, v in outputs.items() if k.startswith("present_")}

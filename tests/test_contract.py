@@ -60,7 +60,10 @@ CASES = {
                  ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"]),
     "gpt_neo": Case("tiny-gpt-neo-125m", {"seed": 0}, Setting("p12-c16", 1, {"prefill": 12, "cache": 16}),
                     ["transformer.h.*.attn.attention.q_proj", "transformer.h.*.attn.attention.k_proj",
-                     "transformer.h.*.attn.attention.v_proj", "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj"]),
+                     "transformer.h.*.attn.attention.v_proj", "transformer.h.*.mlp.c_fc", "transformer.h.*.mlp.c_proj"],
+                    # Measured up to 0.071 end to end over the 4 layers (an FP8 rounding flipped upstream
+                    # spreads through every later layer; tests/test_family_gpt_neo.py checks 2 layers at 0.06).
+                    fp8_tolerance=0.1, layerwise_test="tests/test_family_gpt_neo.py"),
     "timm_xcit": Case("tiny-xcit-nano", {"seed": 0}, Setting("224", 1, {"height": 224, "width": 224}),
                       ["blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc1", "blocks.*.mlp.fc2",
                        "cls_attn_blocks.*.attn.k", "cls_attn_blocks.*.attn.v"], requires="timm"),

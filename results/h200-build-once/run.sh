@@ -7,11 +7,13 @@
 # Both passes of the study (pass 1: everything but `time` and `profile`, builds compiling side by side;
 # pass 2: the measurements, one at a time), timed as one; then the GPU tests (GPUTESTS=0: none).
 # Every call ends by packing what exists into $OUT/evidence.tar.gz (no engines, ONNX or safetensors).
+# Also the GPT-Neo evidence (results/h200-gpt-neo/): STUDY names the study, EV the folder of its log and
+# stage markers, CALL a config file layered over config/h200.yaml (config/realsize/calls/).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 || exit 1
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=4 TORCHINDUCTOR_COMPILE_THREADS=4  # 16 cores shared by parallel jobs
-ev=results/evidence-build-once && mkdir -p $ev
+ev=${EV:-results/evidence-build-once} && mkdir -p $ev
 t0=$(date +%s)
 left() { echo $(( ${BUDGET:-560} - ($(date +%s) - t0) )); }  # the device call's 600 s, less packing
 log() { echo "[$(date -u +%FT%TZ)] $*" | tee -a $ev/log.txt; }
@@ -31,7 +33,7 @@ onnxruntime.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_cap
   } > $ev/machine.txt 2>&1
 }
 study=${STUDY:-timm_xcit}
-sm="python3 -m snakemake --configfile config/h200.yaml --cores 16 --keep-going --rerun-incomplete"
+sm="python3 -m snakemake --configfile config/h200.yaml ${CALL:-} --cores 16 --keep-going --rerun-incomplete"
 # The targets come first: --omit-from takes every word after it as a rule name.
 pass1() { $sm results/$1/README.md results/$1/audit.json --omit-from time profile >> $ev/snakemake-$1-1.txt 2>&1; }
 pass2() { $sm --cores 10 results/$1/README.md results/$1/audit.json >> $ev/snakemake-$1-2.txt 2>&1; }

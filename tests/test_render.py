@@ -42,3 +42,31 @@ def test_a_relative_condition_renders_its_factor_and_the_variant():
          "note": ""})
     rows = [line for line in render.render_section(tables).splitlines() if line.startswith("| KL at most")]
     assert rows == ["| KL at most 10 x fp16's | 3.5000 to 12.2500 | 10 x fp16's | no |"]
+
+
+def test_a_failed_gpt_neo_variant_shows_its_error_text_in_the_variants_table():
+    """The committed GPT-Neo evidence with one variant's build failed as TensorRT 11.4 fails FP8 out_proj
+    (its timing and evaluation failed with it): that variant's row in the variants table names the
+    failed file and the whole error; the other variants keep their numbers, and the speed-bar list
+    is computed from the rows that were measured."""
+    from quantstudy import aggregate, artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json", "tables")
+    error = aggregate.exception_text(
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in build\n    plan = builder.build()\n"
+        "RuntimeError: TensorRT could not build the engine:\n"
+        "Input 0's element type (fp8_e4m3) differs from input 1's element type (half)\n")
+    for table in ("builds", "speed", "quality"):
+        for row in tables[table]:
+            if row["variant"] == "fp8-c_fc":
+                row.update(status="failed", error=error if table == "builds" else "its build failed")
+    lines = render.render_section(tables).splitlines()
+    failed = [line for line in lines if line.startswith("| h200-torch | gpt-neo-125m, 256 x 256 | `fp8-c_fc` |")]
+    assert len(failed) == 1
+    assert ("failed: build.json: RuntimeError: TensorRT could not build the engine: Input 0's element type "
+            "(fp8_e4m3) differs from input 1's element type (half)") in failed[0]
+    assert failed[0].count("|") == 13  # the row keeps the table's 12 columns
+    measured = [line for line in lines if line.startswith("| h200-torch | gpt-neo-125m, 256 x 256 | `fp8` |")]
+    assert "failed" not in measured[0] and "62.0" in measured[0]

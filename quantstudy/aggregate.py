@@ -43,8 +43,9 @@ def exception_text(error: str) -> str | None:
     """The final exception of a Python traceback (every line of its message), or the text as it is when
     it holds no traceback, joined into one line."""
     lines = error.strip().splitlines()
-    # The last frame is "  File ..." followed by its indented source lines; the exception follows them.
-    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    # The last frame is "  File ..." followed by its indented source lines; the exception follows them
+    # (or follows the "Traceback" heading, in a traceback cut short).
+    frames = [i for i, line in enumerate(lines) if line.startswith(("  File ", "Traceback"))]
     if frames:
         i = frames[-1] + 1
         while i < len(lines) and lines[i].startswith("    "):
@@ -253,6 +254,11 @@ def _bound(row: dict[str, Any], gemms: dict[tuple, tuple[str, dict | None]], ker
         return out | {"bound_note": f"profile of the baseline {baseline} failed: {_error_text(kernel_doc)}"}
     if graph not in kernel_doc["graphs"]:
         return out | {"bound_note": f"the baseline's profile has no graph {graph}"}
+    profiled, timed = kernel_doc["graphs"][graph]["total_ms"], row.get("baseline_ms")
+    ratio = bound.profile_vs_timed(profiled, None if _missing(timed) else timed)
+    if ratio is not None and not bound.profile_agrees(ratio):
+        return out | {"bound_note": f"withheld: the baseline's profile totals {profiled:.3g} ms a call, "
+                                    f"{ratio:.2g} x the {timed:.3g} ms its timing measured"}
     try:
         share = bound.recipe_share(kernel_doc["graphs"][graph], measured["calls"])
     except ValueError as e:
@@ -268,6 +274,22 @@ def _with_bounds(speed: pd.DataFrame, gemms: dict, kernels: dict, baselines: dic
                  threshold: float) -> pd.DataFrame:
     bounds = [_bound(r, gemms, kernels, baselines[r["setting"]], threshold) for r in _records(speed)]
     return pd.concat([speed, pd.DataFrame(bounds, index=speed.index, columns=list(BOUND_COLUMNS))], axis=1)
+
+
+def _with_timed(kernels: pd.DataFrame, speed: pd.DataFrame) -> pd.DataFrame:
+    """Beside each profile, the timed median of the same call (target, model, setting, graph, variant:
+    its own timing row) and whether the two agree (bound.profile_agrees): a profile that does not is
+    no split of the timed call, and what is read from it is withheld."""
+    timed = {} if not len(speed) else {
+        (r["target"], r["model"], r["setting"], r.get("graph") or "main", r["variant"]): r.get("variant_ms")
+        for r in _records(speed) if r["status"] == "ok"}
+    rows = []
+    for r in _records(kernels):
+        ms = timed.get((r["target"], r["model"], r["setting"], r.get("graph") or "main", r["variant"]))
+        ratio = bound.profile_vs_timed(r.get("total_ms"), ms) if r["status"] == "ok" else None
+        rows.append({"timed_ms": ms, "profile_vs_timed": ratio,
+                     "profile_agrees": None if ratio is None else bound.profile_agrees(ratio)})
+    return pd.concat([kernels, pd.DataFrame(rows, index=kernels.index)], axis=1)
 
 
 COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq}
@@ -451,6 +473,8 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
             _note_damaged(e, "gemm", damaged)
             gemms[tuple(Path(path).parts[-4:-1])] = (path, None)
     threshold = (study.get("bound") or {}).get("at_limit", bound.AT_LIMIT)
+    if len(kernels):
+        kernels = _with_timed(kernels, speed)
     if len(speed):
         speed = _with_bounds(speed, gemms, {(d["target"], d["model"], d["setting"], d["variant"]): (p, d)
                                             for p, d in kernel_files}, baselines, threshold)

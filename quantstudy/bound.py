@@ -23,6 +23,24 @@ DEFINITION = ("bound = 1 / ((1 - f) + f / g); f = the time of the GEMMs the vari
               "baseline's whole profiled time (kernels.json), g = fp16 time / FP8 time of those GEMMs alone "
               "at the model's shapes on the same target (gemm.json)")
 _EPS = 1e-6
+# A profile is read as a split of the timed call only where its total agrees with what the timing job
+# measured for the same engine, setting and graph: within this factor either way. Beyond it the profile
+# describes something else than the timed call (a CPU profile counts every op's profiler overhead and a
+# loaded machine's stalls: 933 ms profiled against 38.5 ms timed was seen), and f, the bound and any
+# share of "profiled time" built on it would mislead.
+PROFILE_AGREEMENT = 1.5
+
+
+def profile_vs_timed(profiled_ms: float | None, timed_ms: float | None) -> float | None:
+    """The profile's total over the timed median of the same call; None where either is missing."""
+    if profiled_ms is None or timed_ms is None or not timed_ms > 0 or profiled_ms != profiled_ms:
+        return None
+    return profiled_ms / timed_ms
+
+
+def profile_agrees(ratio: float, factor: float = PROFILE_AGREEMENT) -> bool:
+    """A profile total within `factor` of the timed median, either way."""
+    return 1.0 / factor <= ratio <= factor
 
 
 def amdahl_bound(f: float, g: float) -> float:

@@ -22,6 +22,7 @@ from typing import Any
 
 import jinja2
 
+from quantstudy import bound
 from quantstudy.artifacts import atomic_write, read_json
 from quantstudy.config import main_quality_condition, shape_of
 
@@ -170,7 +171,12 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "baseline_of": baselines.__getitem__, "column_range": column_range, "ratio_range": ratio_range,
         "candidate_nonfinite": sum(r.get("nonfinite") or 0 for r in rows_of("candidate")),
         "size_change": size_change, "size_range": value_range(s["change"] for s in size_change),
-        "kernels": kernels, "kernel_groups": t["kernel_groups"], "failures": failures, "damaged": t.get("damaged", []),
+        "kernels": kernels, "kernel_groups": t["kernel_groups"],
+        # Tables written before profiles were checked against their timing have no such columns.
+        "profile_checked": any("profile_agrees" in r for r in t["kernels"]),
+        "profile_disagrees": sum(r.get("profile_agrees") is False for r in t["kernels"]),
+        "profiles_compared": sum(r.get("profile_agrees") is not None for r in t["kernels"]),
+        "profile_agreement": bound.PROFILE_AGREEMENT, "failures": failures, "damaged": t.get("damaged", []),
         "gpus": sorted({r["gpu"] for r in t["speed"]}), "decision": t["decision"],
         "variant_summary": variant_summary, "speed_of": speed_of, "build_of": builds, "quality_of": quality_of, "references": references, "several_graphs": len(graphs) > 1,
         "published": _published_view(t),

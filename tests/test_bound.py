@@ -244,3 +244,36 @@ def test_the_committed_h200_repeat_run_renders_the_bound_that_its_json_gives():
     assert row["x"] <= row["bound"] * 1.01 and row["x_jobs_spread"] < 0.01 and len(row["x_by_repeat"]) == 2
     macros = environment().get_template("macros.md.j2").module
     assert f"| {macros.bound_cell(row)} |" in (results / "fnet/README.md").read_text()
+
+
+@pytest.mark.parametrize("timed_ms,withheld", [(10.0, False), (15.0, False), (6.7, False), (15.1, True), (6.6, True)])
+def test_a_profile_far_from_its_timing_withholds_the_bound(timed_ms, withheld):
+    """The baseline's profile totals 10 ms a call: against a timed median of 6.7 to 15 ms (within 1.5 x
+    either way) the bound is computed; further apart the profile is no split of the timed call and the
+    bound is withheld, saying why."""
+    gemms = {("cpu-torch", "m", "w128"): ("gemm.json", _gemm_doc())}
+    kernels = {("cpu-torch", "m", "w128", "fp16"): ("kernels.json", _kernels_doc())}
+    b = aggregate._bound(ROW | {"baseline_ms": timed_ms}, gemms, kernels, "fp16", 0.9)
+    if withheld:
+        assert b["bound"] is None and b["bound_note"].startswith("withheld: the baseline's profile totals 10 ms a call")
+        assert f"the {timed_ms:.3g} ms its timing measured" in b["bound_note"]
+    else:
+        assert b["bound"] == pytest.approx(1.2) and b["bound_note"] is None
+
+
+def test_each_profile_row_carries_its_timing_and_whether_they_agree():
+    """kernels rows get the timed median of the same target, model, setting, graph and variant; a 933 ms
+    profile against 38.5 ms timed (seen on a tiny DeBERTa at batch 32) disagrees; a failed timing gives none."""
+    import pandas as pd
+
+    key = {"target": "t", "model": "m", "setting": "s", "graph": "main"}
+    kernels = pd.DataFrame([{**key, "variant": "fp16", "status": "ok", "total_ms": 933.0},
+                            {**key, "variant": "fp8", "status": "ok", "total_ms": 40.0},
+                            {**key, "variant": "fp32", "status": "ok", "total_ms": 50.0}])
+    speed = pd.DataFrame([{**key, "variant": "fp16", "status": "ok", "variant_ms": 38.5},
+                          {**key, "variant": "fp8", "status": "ok", "variant_ms": 38.5},
+                          {**key, "variant": "fp32", "status": "failed", "variant_ms": None}])
+    rows = aggregate._with_timed(kernels, speed).set_index("variant")
+    assert rows.loc["fp16", "profile_agrees"] is False and rows.loc["fp16", "profile_vs_timed"] == pytest.approx(933 / 38.5)
+    assert rows.loc["fp8", "profile_agrees"] is True and rows.loc["fp8", "timed_ms"] == 38.5
+    assert rows.loc["fp32", "profile_agrees"] is None

@@ -69,6 +69,8 @@ class Variant:
     name: str
     precision: str
     transforms: tuple[tuple[str, dict[str, Any]], ...] = ()
+    # False: a quality-only variant (built and evaluated; no time, profile or gemm job measures it).
+    timed: bool = True
 
     def transforms_at(self, setting: Setting) -> list[tuple[str, dict[str, Any]]]:
         """The transforms that apply at this setting: `when: {window: [512]}` limits a transform
@@ -164,7 +166,7 @@ class Study:
             for m, s in self.model_settings(quality_only, timed_only):
                 if s in only.get("settings", [s]):
                     for v in self.variants:
-                        if v in only.get("variants", [v]):
+                        if v in only.get("variants", [v]) and (self.variants[v].timed or not timed_only):
                             yield t, m, s, v
 
     def engine_setting(self, setting: str) -> str:
@@ -415,7 +417,12 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
     variants = {}
     for name, v in doc["variants"].items():
         transforms = tuple((next(iter(t)), dict(next(iter(t.values())) or {})) for t in v.get("transforms", []))
-        variants[name] = Variant(name, v["precision"], transforms)
+        variants[name] = Variant(name, v["precision"], transforms, v.get("timed", True))
+    # Speed is measured against the baseline and decided on the candidate: neither can be quality-only.
+    for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),
+                       *[(f"baseline.by_setting.{s}", n) for s, n in doc["baseline"].get("by_setting", {}).items()]]:
+        if name in variants and not variants[name].timed:
+            problems.append(f"{role} names {name!r}, a quality-only variant (timed: false): it must be timed")
     for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),
                        *[(f"baseline.by_setting.{s}", n) for s, n in doc["baseline"].get("by_setting", {}).items()],
                        *[("quality_against", n) for n in doc.get("quality_against", [])],
@@ -629,7 +636,8 @@ def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], varian
         for model in (m for m in models.values() if engine != name and name in m.settings):
             problems += _engine_fit(family, settings[name], settings[engine], model)
     patterns = list(doc["recipe"]["quantize"]) + [p for v in variants.values() for t, params in v.transforms
-                                                  if t == "fp8" for p in params.get("include", [])]
+                                                  if t == "fp8" for k in ("include", "add")
+                                                  for p in params.get(k, [])]
     for model in models.values():
         layers = family.quantizable_layers(model.architecture)
         for pattern in patterns:

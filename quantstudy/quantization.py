@@ -3,8 +3,9 @@
 The only module that imports modelopt. A variant is a precision plus a list of transforms,
 applied to a family's graph module. The generic ones:
   fp8             replace the recipe's linear layers by FP8Linear (static per-tensor scales);
-                  `include` / `exclude` patterns narrow the recipe, `keep_edge_blocks: N`
-                  keeps the layers of the first and last N blocks in the work precision
+                  `include` / `exclude` patterns narrow the recipe, `add` patterns extend it,
+                  `keep_edge_blocks: N` keeps the layers of the first and last N blocks in the
+                  work precision
   fp32_dequantize the FP8 layers dequantize to fp32 instead of the recipe's dtype
   widen_scales    activation scales widened by `factor` (amax x factor)
 A family adds its own (FNet: `hidden_scaling`), as fn(model, params) -> summary entries.
@@ -231,9 +232,11 @@ def _block_index(name: str) -> int | None:
 
 def fp8_layers(model_layers: list[str], recipe: dict[str, Any], params: dict[str, Any],
                outlier_layers: list[str]) -> list[str]:
-    """The layers a variant's fp8 transform quantizes: recipe (or its own include) minus excludes,
-    edge blocks and outliers."""
-    chosen = select(model_layers, params.get("include", recipe["quantize"]), params.get("exclude", []))
+    """The layers a variant's fp8 transform quantizes: recipe (or its own include) plus its `add`,
+    minus excludes, edge blocks and outliers."""
+    # `add`: patterns on top of the recipe's (or the variant's own `include`), without repeating them.
+    chosen = select(model_layers, [*params.get("include", recipe["quantize"]), *params.get("add", [])],
+                    params.get("exclude", []))
     edge = int(params.get("keep_edge_blocks", 0))
     if edge:
         blocks = sorted({b for b in map(_block_index, model_layers) if b is not None})

@@ -248,3 +248,30 @@ def test_a_relative_condition_must_name_a_variant(tmp_path):
         load(doc, tmp_path)
     doc["decision"]["conditions"][-1]["relative_to"] = "fp16"
     load(doc, tmp_path)
+
+
+def test_a_quality_only_variant_is_built_and_evaluated_but_plans_no_timing_jobs(tmp_path):
+    """`timed: false` on GPT-Neo's fp8-c_fc: the dry run plans its build and evaluate on every target that
+    has it, and no time or profile job; the gemm job does not time its GEMMs. The candidate cannot be
+    quality-only."""
+    from quantstudy.devtools import planned_jobs
+
+    override = tmp_path / "quality-only.yaml"
+    override.write_text("variants:\n  fp8-c_fc: {timed: false}\n")
+    doc = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    entry = {**doc["studies"]["gpt_neo"], "overrides": [doc["studies"]["gpt_neo"]["overrides"], str(override)]}
+    study = qc.load_study(entry["spec"], entry["overrides"])
+    assert not study.variants["fp8-c_fc"].timed and study.variants["fp8"].timed
+    assert ("cpu-torch", "gpt-neo-125m", "p256-c256", "fp8-c_fc") not in list(study.engines(["cpu-torch"], timed_only=True))
+    assert ("cpu-torch", "gpt-neo-125m", "p256-c256", "fp8-c_fc") in list(study.engines(["cpu-torch"], quality_only=True))
+    for inputs in ("config", "templates"):  # what the aggregate and render jobs read from the checkout
+        (tmp_path / inputs).symlink_to(ROOT / inputs)
+    proc = dry_run_with_studies(tmp_path, {"gpt_neo": entry})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    jobs = [(rule, w) for rule, w in planned_jobs(proc.stdout) if w.get("variant") == "fp8-c_fc"]
+    assert sorted({rule for rule, _ in jobs}) == ["build", "evaluate"]
+    assert {rule for rule, w in planned_jobs(proc.stdout) if w.get("variant") == "fp8"} >= {"build", "evaluate", "time",
+                                                                                             "profile"}
+    override.write_text("variants:\n  fp8: {timed: false}\n")
+    with pytest.raises(qc.ConfigError, match="candidate names 'fp8', a quality-only variant"):
+        qc.load_study(entry["spec"], entry["overrides"])

@@ -62,6 +62,17 @@ def test_select_and_outlier_rule():
     assert report["layers"] == ["a.1.output.dense"] and report["largest_ratio"]["input_amax"] == 30.0
 
 
+def test_fp8_layers_add_extends_the_recipe_without_repeating_it():
+    """`add` puts layers on top of the recipe (or of the variant's own include); excludes, edge blocks and
+    outliers still apply to the whole."""
+    names = [f"h.{i}.{k}" for i in range(3) for k in ("q", "o", "fc")]
+    recipe = {"quantize": ["h.*.q", "h.*.fc"]}
+    assert q.fp8_layers(names, recipe, {"add": ["h.*.o"]}, []) == names
+    assert q.fp8_layers(names, recipe, {"include": ["h.*.fc"], "add": ["h.*.o"]}, []) == \
+        ["h.0.o", "h.0.fc", "h.1.o", "h.1.fc", "h.2.o", "h.2.fc"]
+    assert q.fp8_layers(names, recipe, {"add": ["h.*.o"], "keep_edge_blocks": 1}, ["h.1.q"]) == ["h.1.o", "h.1.fc"]
+
+
 def test_amax_file_is_deterministic(tiny_inputs, tmp_path):
     study = tiny_inputs["study"]
     docs = []

@@ -635,14 +635,15 @@ def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], varian
         engine = _engine_of(doc["settings"], name)
         for model in (m for m in models.values() if engine != name and name in m.settings):
             problems += _engine_fit(family, settings[name], settings[engine], model)
-    patterns = list(doc["recipe"]["quantize"]) + [p for v in variants.values() for t, params in v.transforms
-                                                  if t == "fp8" for k in ("include", "add")
-                                                  for p in params.get(k, [])]
+    # Each pattern with where it is written: a misspelt one would build another variant than meant.
+    patterns = [("recipe pattern", p) for p in doc["recipe"]["quantize"]]
+    patterns += [(f"variant {v.name!r}: fp8 {k} pattern", p) for v in variants.values() for t, params in v.transforms
+                 if t == "fp8" for k in ("include", "add", "exclude") for p in params.get(k, [])]
     for model in models.values():
         layers = family.quantizable_layers(model.architecture)
-        for pattern in patterns:
+        for where, pattern in patterns:
             if not fnmatch.filter(layers, pattern):
-                problems.append(f"recipe pattern {pattern!r} matches no layer of {model.name} "
+                problems.append(f"{where} {pattern!r} matches no layer of {model.name} "
                                 f"({model.architecture_name}); its linear layers are like {layers[:3]}")
     return problems
 

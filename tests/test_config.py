@@ -129,6 +129,18 @@ def test_recipe_pattern_that_matches_no_layer(tmp_path):
         load(doc, tmp_path)
 
 
+@pytest.mark.parametrize("key", ["include", "exclude", "add"])
+def test_a_variants_fp8_pattern_that_matches_no_layer(key, tmp_path):
+    """A misspelt layer pattern in a variant would build another variant than the one meant (an exclude
+    that excludes nothing builds the recipe again): every include, exclude and add pattern must match."""
+    doc = study_doc()
+    doc["variants"]["fp8-typo"] = {"precision": "float16",
+                                   "transforms": [{"fp8": {key: ["fnet.encoder.layer.*.output.dense2"]}}]}
+    with pytest.raises(qc.ConfigError, match=rf"variant 'fp8-typo': fp8 {key} pattern 'fnet.encoder.layer.\*.output.dense2' "
+                                             r"matches no layer of fnet-base"):
+        load(doc, tmp_path)
+
+
 def test_variant_with_unknown_transform(tmp_path):
     doc = study_doc()
     doc["variants"]["fp8-smooth"] = {"precision": "float16", "transforms": [{"smoothquant": {}}]}

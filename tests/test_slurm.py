@@ -198,9 +198,10 @@ def test_b300_profile_is_b200_renamed():
 
 
 @pytest.mark.parametrize("name, targets", [("slurm-b200", {("b200", "11.4"), ("b200", "11.1")}),
-                                           ("slurm-b300", {("b300", "11.4")})])
+                                           ("slurm-b300", {("b300", "11.4"), ("b300", "11.1")})])
 def test_profile_targets_match_the_write_ups(name, targets):
-    """B200: TensorRT 11.4 and 11.1; B300: TensorRT 11.4; each version in its own env file."""
+    """B200: TensorRT 11.4 and 11.1; B300: TensorRT 11.4, and 11.1 for GPT-Neo (its write-up's third
+    target; config/targets/gpt-neo-b300.yaml); each version in its own env file."""
     run = yaml.safe_load((ROOT / load_profile(name)["configfile"]).read_text())
     assert {(t["gpu"], t["version"]) for t in run["targets"].values()} == targets
     for t in run["targets"].values():

@@ -324,7 +324,7 @@ def condition(spec: dict[str, Any], rows: pd.DataFrame) -> dict[str, Any]:
     threshold = spec["threshold"]
     return {"name": spec["name"], "column": column, "reduce": spec["reduce"], "compare": spec["compare"],
             "observed": observed, "threshold": int(threshold) if float(threshold).is_integer() else threshold,
-            "pass": bool(met), "note": note}
+            "pass": bool(met), "note": note, "rows": dict(spec.get("rows") or {})}
 
 
 # What makes two rows of a table the same measurement of two variants.

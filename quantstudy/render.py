@@ -248,12 +248,17 @@ def shape_label(shape: dict[str, Any]) -> str:
     return " x ".join(str(v) for v in shape_of(shape).values())
 
 
+def setting_words(setting: dict[str, Any]) -> str:
+    """A setting described from its values, never from its name: `window 64, batch 1`."""
+    return ", ".join(f"{k} {v}" for k, v in [*shape_of(setting).items(), ("batch", setting["batch"])])
+
+
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     formats = dict(ms=ms, times=times, pct=pct, sci=sci, num=num, count=count, like=like)
     env.filters.update(span=span, cell_text=cell_text, **formats)
-    env.globals.update(shape_label=shape_label, **formats)  # so macros can take a format as an argument
+    env.globals.update(shape_label=shape_label, setting_words=setting_words, **formats)  # so macros can take a format as an argument
     return env
 
 

@@ -70,3 +70,24 @@ def test_a_failed_gpt_neo_variant_shows_its_error_text_in_the_variants_table():
     assert failed[0].count("|") == 13  # the row keeps the table's 12 columns
     measured = [line for line in lines if line.startswith("| h200-torch | gpt-neo-125m, 256 x 256 | `fp8` |")]
     assert "failed" not in measured[0] and "62.0" in measured[0]
+
+
+def test_a_condition_on_a_setting_names_it_with_this_runs_values():
+    """A decision condition limited to a setting shows that setting's own values (the tiny run's w256 is a
+    64-token window), never a typed label; a condition on no setting shows its name alone."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
+    tables["spec"]["settings"]["w256"] = {"window": 64, "batch": 1}
+    tables["decision"]["conditions"] = [
+        {"name": "speed-up at the manifest window (every row)", "column": "x", "reduce": "min", "compare": ">=",
+         "observed": {"min": 0.9, "max": 1.2, "n": 2}, "threshold": 1.1, "pass": False, "note": "",
+         "rows": {"setting": "w256"}},
+        {"name": "non-finite outputs", "column": "nonfinite", "reduce": "sum", "compare": "==", "observed": 0,
+         "threshold": 0, "pass": True, "note": "", "rows": {}}]
+    rows = [line for line in render.render_section(tables).splitlines()
+            if line.startswith(("| speed-up at the manifest", "| non-finite outputs |"))]
+    assert rows == ["| speed-up at the manifest window (every row) (setting `w256`: window 64, batch 1) | 0.9000 to "
+                    "1.2000 | 1.1 | no |", "| non-finite outputs | 0 | 0 | yes |"]

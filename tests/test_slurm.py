@@ -31,6 +31,7 @@ import pytest
 import yaml
 
 from conftest import stand_in_lock
+from quantstudy import aggregate
 from quantstudy.devtools import copy_checkout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,16 +132,29 @@ def deterministic(path, repo):
         text = re.sub(r"\b[0-9a-f]{64}\b", "<sha256>", text)  # a sample list's: it covers its provenance
         text = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", text)
         text = re.sub(r"#([x%]?) to #\1", r"#\1", text)  # a range of measured values may be one value
-        # Whether x reached its Amdahl bound is read from measured x.
-        return re.sub(r": (hardware limit|(\*\*engine\*\*|<strong>engine</strong>) \(x is #% of it\))", ": <bound>", text)
+        # Whether x reached its Amdahl bound is read from measured x; whether the bound is computed at all
+        # from whether the baseline's profile agrees with its timing (measured): both are verdicts, masked.
+        text = re.sub(r": (hardware limit|(\*\*engine\*\*|<strong>engine</strong>) \(x is #% of it\))", ": <bound>", text)
+        text = re.sub(r"#(: <bound>)? \(f #%[^)]*\)", "<bound>", text)
+        text = re.sub(r"withheld: the baseline's profile totals # ms a call, # x the # ms its timing measured",
+                      "<bound>", text)
+        text = re.sub(r"; bound:? <bound>", "; bound <bound>", text)
+        text = re.sub(r"(Amdahl bound at batch # \(the x the FP# GEMMs' own speed-up allows\)(</td>\s*<td>| \|) ?-"
+                      r"(</td>\s*<td>| \| ))(not measured|#x)", r"\1<bound>", text)
+        text = re.sub(r", (\*\*disagrees\*\*|<strong>disagrees</strong>)", "", text)
+        return re.sub(r"(<p>)?(\*\*|<strong>)# of the # profiles of this run disagree.*?(\n\n|</p>\n?)", "", text,
+                      flags=re.S)
     if path.suffix != ".json":
         return text
 
     masked_keys = {"speed", "kernels", "decision"} if path.name == "tables.json" else set()
+    # A speed row's bound is computed or withheld by whether its baseline's profile agrees with its timing.
+    verdicts = set(aggregate.BOUND_COLUMNS) if path.name == "tables.json" else set()
 
     def strip(x, measured=False, lengths=False):
         if isinstance(x, dict):  # a file's sha256 (an amax file, a sample list) covers its provenance
-            return {k: strip(v, measured or k in masked_keys, lengths) if not k.endswith("sha256") else "sha256"
+            return {k: "<bound>" if measured and k in verdicts else
+                    strip(v, measured or k in masked_keys, lengths) if not k.endswith("sha256") else "sha256"
                     for k, v in x.items() if k not in ("provenance", "content_sha256")}
         if isinstance(x, list):
             return len(x) if lengths else [strip(v, measured, lengths) for v in x]

@@ -219,9 +219,11 @@ def _error_text(doc: dict[str, Any]) -> str:
 
 
 def _bound(row: dict[str, Any], gemms: dict[tuple, tuple[str, dict | None]], kernels: dict[tuple, tuple[str, dict]],
-           baseline: str, threshold: float) -> dict[str, Any]:
+           baseline: str, threshold: float, profiles: dict[tuple, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The Amdahl bound of one speed row (bound.py): f from its baseline's kernels.json, g from the
-    gemm.json of its target, model and setting; where either is missing or failed, `bound_note` says why."""
+    gemm.json of its target, model and setting; where either is missing or failed, or the baseline's
+    profile disagrees with its timing (`profiles`: kernels rows by target, model, setting, graph and
+    variant, as _with_timed judged them), `bound_note` says why."""
     out: dict[str, Any] = dict.fromkeys(BOUND_COLUMNS)
     key = (row["target"], row["model"], row["setting"])
     if key not in gemms:
@@ -254,11 +256,11 @@ def _bound(row: dict[str, Any], gemms: dict[tuple, tuple[str, dict | None]], ker
         return out | {"bound_note": f"profile of the baseline {baseline} failed: {_error_text(kernel_doc)}"}
     if graph not in kernel_doc["graphs"]:
         return out | {"bound_note": f"the baseline's profile has no graph {graph}"}
-    profiled, timed = kernel_doc["graphs"][graph]["total_ms"], row.get("baseline_ms")
-    ratio = bound.profile_vs_timed(profiled, None if _missing(timed) else timed)
-    if ratio is not None and not bound.profile_agrees(ratio):
-        return out | {"bound_note": f"withheld: the baseline's profile totals {profiled:.3g} ms a call, "
-                                    f"{ratio:.2g} x the {timed:.3g} ms its timing measured"}
+    judged = (profiles or {}).get(key + (graph, baseline))
+    if judged and judged.get("profile_agrees") is False:
+        return out | {"bound_note": f"withheld: the baseline's profile totals {judged['total_ms']:.3g} ms a call, "
+                                    f"{judged['profile_vs_timed']:.2g} x the {judged['timed_ms']:.3g} ms its "
+                                    f"timing measured"}
     try:
         share = bound.recipe_share(kernel_doc["graphs"][graph], measured["calls"])
     except ValueError as e:
@@ -271,8 +273,8 @@ def _bound(row: dict[str, Any], gemms: dict[tuple, tuple[str, dict | None]], ker
 
 
 def _with_bounds(speed: pd.DataFrame, gemms: dict, kernels: dict, baselines: dict[str, str],
-                 threshold: float) -> pd.DataFrame:
-    bounds = [_bound(r, gemms, kernels, baselines[r["setting"]], threshold) for r in _records(speed)]
+                 threshold: float, profiles: dict[tuple, dict[str, Any]]) -> pd.DataFrame:
+    bounds = [_bound(r, gemms, kernels, baselines[r["setting"]], threshold, profiles) for r in _records(speed)]
     return pd.concat([speed, pd.DataFrame(bounds, index=speed.index, columns=list(BOUND_COLUMNS))], axis=1)
 
 
@@ -475,9 +477,12 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
     threshold = (study.get("bound") or {}).get("at_limit", bound.AT_LIMIT)
     if len(kernels):
         kernels = _with_timed(kernels, speed)
+    # One judgement per profile: the kernel table's and the bound's.
+    profiles = {(r["target"], r["model"], r["setting"], r.get("graph") or "main", r["variant"]): r
+                for r in _records(kernels)} if len(kernels) else {}
     if len(speed):
         speed = _with_bounds(speed, gemms, {(d["target"], d["model"], d["setting"], d["variant"]): (p, d)
-                                            for p, d in kernel_files}, baselines, threshold)
+                                            for p, d in kernel_files}, baselines, threshold, profiles)
     log.info("%d timing, %d quality, %d build, %d kernel rows", len(speed), len(quality), len(builds), len(kernels))
     calibration = [{"model": a["model"], "setting": a["setting"], **a["shape"], "layers": len(a["recipe_layers"]),
                     "largest_ratio": a["outliers"]["largest_ratio"], "outliers": a["outliers"]["layers"],

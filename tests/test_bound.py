@@ -251,9 +251,15 @@ def test_a_profile_far_from_its_timing_withholds_the_bound(timed_ms, withheld):
     """The baseline's profile totals 10 ms a call: against a timed median of 6.7 to 15 ms (within 1.5 x
     either way) the bound is computed; further apart the profile is no split of the timed call and the
     bound is withheld, saying why."""
+    import pandas as pd
+
     gemms = {("cpu-torch", "m", "w128"): ("gemm.json", _gemm_doc())}
     kernels = {("cpu-torch", "m", "w128", "fp16"): ("kernels.json", _kernels_doc())}
-    b = aggregate._bound(ROW | {"baseline_ms": timed_ms}, gemms, kernels, "fp16", 0.9)
+    key = {"target": "cpu-torch", "model": "m", "setting": "w128", "graph": "main", "variant": "fp16", "status": "ok"}
+    judged = aggregate._with_timed(pd.DataFrame([{**key, "total_ms": 10.0}]),
+                                   pd.DataFrame([{**key, "variant_ms": timed_ms}])).iloc[0].to_dict()
+    b = aggregate._bound(ROW, gemms, kernels, "fp16", 0.9,
+                         {("cpu-torch", "m", "w128", "main", "fp16"): judged})
     if withheld:
         assert b["bound"] is None and b["bound_note"].startswith("withheld: the baseline's profile totals 10 ms a call")
         assert f"the {timed_ms:.3g} ms its timing measured" in b["bound_note"]

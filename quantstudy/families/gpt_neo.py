@@ -278,8 +278,7 @@ class GPTNeo:
         n = min(p, c - 1)
         with torch.no_grad():
             out = self.module(checkpoint, "prefill", setting)(input_ids=ids[:, :n])
-        past = {k.replace("present_", "past_"): v for k, v in out.items() if k != "logits"}
-        return {"input_ids": ids[:, n:n + 1], "position": torch.full((b,), n, dtype=torch.int64), **past}
+        return {"input_ids": ids[:, n:n + 1], "position": torch.full((b,), n, dtype=torch.int64), **_as_past(out)}
 
     # --- samples -------------------------------------------------------------------------
     def draw_samples(self, rows: Any, spec: dict[str, Any], processor: Any) -> list[dict[str, Any]]:

@@ -149,9 +149,8 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
 
     kernels = by_graph(t["kernels"])
     # Lookups for tables per variant: speed rows by (target, model, setting, graph, variant); builds (above)
-    # and quality rows by (target, model, setting, variant).
+    # by (target, model, setting, variant); quality rows are `quality` (target, model, setting) -> {variant: row}.
     speed_of = {(r["target"], r["model"], r["setting"], r.get("graph") or "main", r["variant"]): r for r in t["speed"]}
-    quality_of = {(r["target"], r["model"], r["setting"], r["variant"]): r for r in t["quality"]}
     variant_summary = {v: {"x_batch1": value_range(r["variants"].get(v, {}).get("x")
                                                    for r in speed_rows if r["batch"] == 1)}
                        for v in spec["variants"]}
@@ -178,7 +177,7 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "profiles_compared": sum(r.get("profile_agrees") is not None for r in t["kernels"]),
         "profile_agreement": bound.PROFILE_AGREEMENT, "failures": failures, "damaged": t.get("damaged", []),
         "gpus": sorted({r["gpu"] for r in t["speed"]}), "decision": t["decision"],
-        "variant_summary": variant_summary, "speed_of": speed_of, "build_of": builds, "quality_of": quality_of, "references": references, "several_graphs": len(graphs) > 1,
+        "variant_summary": variant_summary, "speed_of": speed_of, "build_of": builds, "references": references, "several_graphs": len(graphs) > 1,
         "published": _published_view(t),
         "plot": PLOT, "main_quality": main_quality_condition(spec["decision"]),
         "samples": _samples_view(t), "link": functools.partial(link, t["study"]),

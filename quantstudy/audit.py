@@ -112,9 +112,25 @@ def probes_differ(a: dict[str, Any], b: dict[str, Any], tolerance: float = PROBE
     return None
 
 
+def one_engine_problems(build: str, timings: list[tuple[str, dict]], evaluations: list[tuple[str, dict]]) -> list[str]:
+    """TEST01 for one build: every timing job (path, doc) and every evaluation job measured its engine
+    file and compiled program, and the jobs of one setting got the same probe from it. A probe runs its
+    job's setting's inputs, so jobs of two settings one engine serves (`engine:`) are not compared so."""
+    problems = []
+    for (timing, t), (quality, q) in ((t, q) for t in timings for q in evaluations):
+        if t["engine_sha256"] != q["engine_sha256"]:
+            problems.append(f"{timing} and {quality} measured different engines of {build}")
+        elif t.get("compiled_sha256") != q.get("compiled_sha256"):
+            problems.append(f"{timing} and {quality} opened different compiled programs of {build}")
+        elif t["setting"] == q["setting"] and "probe" in t and "probe" in q and (
+                why := probes_differ(t["probe"], q["probe"])):
+            problems.append(f"{timing} and {quality} got different answers from the engine of {build}: {why}")
+    return problems
+
+
 def check_chain(tables_json: str | Path) -> dict[str, Any]:
     """The whole chain behind tables.json (walk): every missing, changed or damaged file, and TEST01:
-    the engine that was timed is the one that was evaluated, and it gave both jobs the same probe."""
+    the engine that was timed is the one that was evaluated, and it gave both jobs of a setting the same probe."""
     steps = walk(tables_json)
     problems = [problem_text(s) for s in steps if s.get("problem")]
     # The root of the chain: every checkpoint and sample list was fetched at the revision the study pins.
@@ -134,13 +150,7 @@ def check_chain(tables_json: str | Path) -> dict[str, Any]:
             measured.setdefault(doc["provenance"]["inputs"]["build"]["path"], {}).setdefault(
                 doc["provenance"]["rule"], []).append((s["path"], doc))
     for build, jobs in measured.items():
-        for (timing, t), (quality, q) in ((t, q) for t in jobs.get("time", []) for q in jobs.get("evaluate", [])):
-            if t["engine_sha256"] != q["engine_sha256"]:
-                problems.append(f"{timing} and {quality} measured different engines of {build}")
-            elif t.get("compiled_sha256") != q.get("compiled_sha256"):
-                problems.append(f"{timing} and {quality} opened different compiled programs of {build}")
-            elif "probe" in t and "probe" in q and (why := probes_differ(t["probe"], q["probe"])):
-                problems.append(f"{timing} and {quality} got different answers from the engine of {build}: {why}")
+        problems += one_engine_problems(build, jobs.get("time", []), jobs.get("evaluate", []))
     return {"files_checked": len({s["path"] for s in steps}), "problems": problems}
 
 

@@ -62,6 +62,7 @@ class Dataset:
     revision: str
     files: dict[str, str]
     tiny: dict[str, Any] | None = None
+    box_format: str | None = None  # a detection dataset's layout of its boxes (metrics.BOX_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,6 @@ class Study:
     # target -> {"settings": [...], "variants": [...]} (a missing key: all); empty: every target, all of it
     targets: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     published: str | None = None  # config/published/<study>.yaml, checked against the study when loaded
-    # What of the family's study is not written yet (Family.unwritten; None: nothing, or not checked
-    # against the code): its quality jobs refuse to be planned.
-    unwritten: str | None = None
 
     @property
     def recipe(self) -> dict[str, Any]:
@@ -145,7 +143,7 @@ class Study:
         """What the local_hub rule generates: the models and datasets that have a tiny spec."""
         return {"models": [{"repo": m.repo, "revision": m.revision, "architecture": m.architecture, "tiny": m.tiny}
                            for m in self.models.values() if m.tiny],
-                "datasets": [{"repo": d.repo, "revision": d.revision, "files": d.files, "tiny": d.tiny}
+                "datasets": [{"repo": d.repo, "revision": d.revision, "files": d.files, "tiny": tiny_dataset_spec(d)["tiny"]}
                              for d in self.datasets.values() if d.tiny]}
 
     def model_settings(self, quality_only: bool = False, timed_only: bool = False):
@@ -204,9 +202,6 @@ class Run:
     offline: bool
     studies: dict[str, Study]
     targets: dict[str, Target]
-    # Studies whose engines can be built and timed while the rest of the study is not written
-    # (its family's `unwritten`): the workflow runs none of their jobs.
-    engine_studies: dict[str, Study] = field(default_factory=dict)
 
 
 def _load_yaml(path: Path) -> Any:
@@ -275,7 +270,9 @@ def tiny_model_spec(model: Model) -> dict[str, Any]:
 
 
 def tiny_dataset_spec(dataset: Dataset) -> dict[str, Any]:
-    return {"files": dataset.files, "tiny": dataset.tiny}
+    """What a tiny dataset's content depends on; a detection dataset is generated in its declared box format."""
+    tiny = dataset.tiny if dataset.box_format is None else {**dataset.tiny, "box_format": dataset.box_format}
+    return {"files": dataset.files, "tiny": tiny}
 
 
 def calibration_sample_sets(recipe: dict[str, Any]) -> list[str]:
@@ -302,8 +299,7 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
     (the run's) in place of its `timing.repeats`.
 
     `against_code` also checks the names it gives the code (family, transforms, the layers its
-    recipe patterns match), which imports torch and builds each model on the meta device, and
-    records what of the family's study is not written yet (Study.unwritten)."""
+    recipe patterns match), which imports torch and builds each model on the meta device."""
     doc = merged_study_doc(spec_path, overrides)
     where = " + ".join(str(p) for p in [spec_path, *_override_list(overrides)])
     if timing_repeats is not None:
@@ -399,7 +395,7 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
         if m.get("tiny") and models[name].revision != tiny_revision(tiny_model_spec(models[name])):
             problems.append(f"model {name!r}: a tiny checkpoint's revision is the content hash of its spec: "
                             f"set revision to {tiny_revision(tiny_model_spec(models[name]))}")
-    datasets = {n: Dataset(n, d["repo"], d["revision"], d["files"], d.get("tiny")) for n, d in doc["datasets"].items()}
+    datasets = {n: Dataset(n, d["repo"], d["revision"], d["files"], d.get("tiny"), d.get("box_format")) for n, d in doc["datasets"].items()}
     for d in datasets.values():
         if d.tiny and d.revision != tiny_revision(tiny_dataset_spec(d)):
             problems.append(f"dataset {d.name!r}: a tiny dataset's revision is the content hash of its spec: "
@@ -457,25 +453,19 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
         problems.append("decision has no per-row quality condition (table: quality, reduce: min or max): its column "
                         "is the study's main quality metric, which the speed-vs-quality plot draws")
 
-    unwritten = None
     if against_code and problems:  # the layers only once the rest is sound (a model may be missing)
         problems += _problems_against_code(doc, models, variants, settings, match_layers=False)
     elif against_code:
         passed = CODE_CHECKS / _code_check_key(doc, models)
-        if passed.exists():
-            unwritten = json.loads(passed.read_text())["unwritten"]
-        else:
+        if not passed.exists():
             problems += _problems_against_code(doc, models, variants, settings, match_layers=True)
             if not problems:
-                from quantstudy import families
-
-                unwritten = families.get(doc["family"]).unwritten
                 passed.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(passed, json.dumps({"unwritten": unwritten}))  # a marker read back whole
+                atomic_write(passed, json.dumps({"passed": True}))  # a marker read back whole
     if problems:
         raise ConfigError(f"invalid study ({where}):\n" + "\n".join(f"  {p}" for p in problems))
     return Study(doc["study"], doc["family"], models, settings, datasets, variants, doc,
-                 {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()}, doc.get("published"), unwritten)
+                 {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()}, doc.get("published"))
 
 
 def _names(value: str | list[str] | None) -> list[str]:
@@ -651,21 +641,16 @@ def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], varian
 def load_run(config: dict[str, Any], against_code: bool = True) -> Run:
     """Validate a run config (the dict Snakemake read) and everything it names."""
     _validate(config, "config.schema.yaml", "workflow config")
-    both = sorted(set(config["studies"]) & set(config.get("engine_studies") or {}))
-    if both:
-        raise ConfigError(f"{', '.join(both)}: listed under both studies and engine_studies")
-    loaded: dict[str, dict[str, Study]] = {"studies": {}, "engine_studies": {}}
-    for key, studies in loaded.items():
-        for name, entry in (config.get(key) or {}).items():
-            study = load_study(entry["spec"], entry.get("overrides"), against_code, config.get("timing_repeats"))
-            if study.name != name:
-                raise ConfigError(f"config names study {name!r} but {entry['spec']} is study {study.name!r}")
-            unknown = sorted(set(study.targets) - set(config["targets"]))
-            if unknown:
-                raise ConfigError(f"study {name!r} names targets {unknown} that the run does not define; "
-                                  f"run targets: {', '.join(config['targets'])}")
-            studies[name] = study
+    studies: dict[str, Study] = {}
+    for name, entry in config["studies"].items():
+        study = load_study(entry["spec"], entry.get("overrides"), against_code, config.get("timing_repeats"))
+        if study.name != name:
+            raise ConfigError(f"config names study {name!r} but {entry['spec']} is study {study.name!r}")
+        unknown = sorted(set(study.targets) - set(config["targets"]))
+        if unknown:
+            raise ConfigError(f"study {name!r} names targets {unknown} that the run does not define; "
+                              f"run targets: {', '.join(config['targets'])}")
+        studies[name] = study
     targets = {n: Target(n, **t) for n, t in config["targets"].items()}
     r = config["run"]
-    return Run(r["name"], r["weights"], config["hf_cache"], config.get("offline", False), loaded["studies"], targets,
-               loaded["engine_studies"])
+    return Run(r["name"], r["weights"], config["hf_cache"], config.get("offline", False), studies, targets)

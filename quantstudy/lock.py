@@ -143,8 +143,8 @@ def requests_of(paths: list[str]) -> list[Request]:
     found: dict[str, Request] = {}
     for p in paths:
         doc = yaml.safe_load(config._path(p).read_text())
-        specs = ([(e["spec"], e.get("overrides")) for key in ("studies", "engine_studies")
-                  for e in (doc.get(key) or {}).values()] if "studies" in doc else [(p, None)])
+        specs = ([(e["spec"], e.get("overrides")) for e in doc["studies"].values()] if "studies" in doc
+                 else [(p, None)])
         for spec, overrides in specs:
             for req in config.lock_requests(config.merged_study_doc(spec, overrides)):
                 found.setdefault(req.key, req)

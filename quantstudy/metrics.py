@@ -246,3 +246,107 @@ def coco_box_ap(images: list[dict[str, Any]], annotations: list[dict[str, Any]],
     ev.summarize()
     ap, ap50, ap75 = (float(v) for v in ev.stats[:3])
     return {**out, "ap": ap, "ap50": ap50, "ap75": ap75}
+
+
+BOX_FORMATS = {"xywh": "[x, y, width, height] (COCO's)", "xyxy": "[x_min, y_min, x_max, y_max] (Pascal VOC's)"}
+
+
+def box_problems(box: list[float], width: float, height: float, box_format: str) -> str | None:
+    """Why `box` is not a box inside a width x height image in `box_format`, or None. A box may
+    touch the border; half a pixel past it is allowed for rounding."""
+    if box_format not in BOX_FORMATS:
+        raise ValueError(f"box_format is one of {', '.join(BOX_FORMATS)}, not {box_format!r}")
+    x0, y0, a, b = (float(v) for v in box)
+    x1, y1 = (x0 + a, y0 + b) if box_format == "xywh" else (a, b)
+    if not all(math.isfinite(v) for v in (x0, y0, x1, y1)):
+        return "not finite"
+    if x1 < x0 or y1 < y0:
+        return "its far corner is left of or above its near corner"
+    if x0 < -0.5 or y0 < -0.5 or x1 > width + 0.5 or y1 > height + 0.5:
+        return f"it ends outside the {width:g} x {height:g} image"
+    return None
+
+
+def to_xywh(box: list[float], box_format: str) -> list[float]:
+    """A box in COCO's [x, y, width, height] from `box_format`."""
+    x0, y0, a, b = (float(v) for v in box)
+    return [x0, y0, a, b] if box_format == "xywh" else [x0, y0, a - x0, b - y0]
+
+
+def category_map(id2label: dict[Any, str], dataset_names: list[str]) -> dict[int, int]:
+    """The dataset's category index -> the detector's label id, matched by name (case-insensitive):
+    a dataset that numbers its categories 0 to 79 is scored against a head with COCO's 91 ids.
+    Every dataset category must be one of the head's labels; head labels the dataset lacks (COCO's
+    "N/A") are left out."""
+    labels: dict[str, int] = {}
+    for i, name in id2label.items():
+        labels.setdefault(str(name).lower(), int(i))
+    missing = [n for n in dataset_names if n.lower() not in labels]
+    if missing:
+        raise ValueError(f"dataset categories {missing} are not labels of the detector "
+                         f"({', '.join(sorted(labels))})")
+    return {index: labels[name.lower()] for index, name in enumerate(dataset_names)}
+
+
+def top_detections(logits: torch.Tensor, boxes: torch.Tensor, width: float, height: float,
+                   labels: set[int], k: int = 100) -> list[dict[str, Any]]:
+    """One image's detections as Deformable DETR's post-processing makes them: the `k` best
+    (query, label) pairs by sigmoid score over all queries and `labels` (the head's other labels,
+    e.g. "N/A", are never a detection), each with its query's box, [cx, cy, w, h] relative to the
+    input, as COCO's [x, y, width, height] in pixels of the width x height image."""
+    scores = logits.float().sigmoid()
+    keep = torch.zeros(scores.shape[-1], dtype=torch.bool)
+    keep[sorted(labels)] = True
+    scores = scores.masked_fill(~keep, -1.0).flatten()
+    top = torch.topk(scores, min(k, len(labels) * logits.shape[0]))
+    out = []
+    for score, index in zip(top.values.tolist(), top.indices.tolist()):
+        query, label = divmod(index, logits.shape[-1])
+        cx, cy, w, h = boxes[query].float().tolist()
+        out.append({"category_id": label, "score": score,
+                    "bbox": [(cx - w / 2) * width, (cy - h / 2) * height, w * width, h * height]})
+    return out
+
+
+def box_iou(a: list[float], b: list[float]) -> float:
+    """IoU of two [x, y, width, height] boxes."""
+    w = min(a[0] + a[2], b[0] + b[2]) - max(a[0], b[0])
+    h = min(a[1] + a[3], b[1] + b[3]) - max(a[1], b[1])
+    inter = max(w, 0.0) * max(h, 0.0)
+    union = a[2] * a[3] + b[2] * b[3] - inter
+    return inter / union if union > 0 else 0.0
+
+
+def detection_agreement(reference: list[list[dict[str, Any]]], engine: list[list[dict[str, Any]]],
+                        score_threshold: float, iou_threshold: float) -> dict[str, Any]:
+    """Precision and recall of one detector's detections against another's (per image lists of
+    top_detections): of each side, the detections scoring at least `score_threshold`; an engine
+    detection matches the highest-scoring unmatched reference detection of its label with IoU at
+    least `iou_threshold`, engine detections taken from the highest score down. Precision: matched /
+    engine detections; recall: matched / reference detections (None where a side has none)."""
+    matched = n_ref = n_eng = 0
+    for ref, eng in zip(reference, engine, strict=True):
+        ref = sorted((d for d in ref if d["score"] >= score_threshold), key=lambda d: -d["score"])
+        eng = sorted((d for d in eng if d["score"] >= score_threshold), key=lambda d: -d["score"])
+        n_ref, n_eng = n_ref + len(ref), n_eng + len(eng)
+        free = list(ref)
+        for d in eng:
+            hit = next((r for r in free if r["category_id"] == d["category_id"]
+                        and box_iou(r["bbox"], d["bbox"]) >= iou_threshold), None)
+            if hit is not None:
+                free.remove(hit)
+                matched += 1
+    return {"precision": matched / n_eng if n_eng else None, "recall": matched / n_ref if n_ref else None,
+            "matched": matched, "engine_detections": n_eng, "reference_detections": n_ref,
+            "score_threshold": score_threshold, "iou_threshold": iou_threshold}
+
+
+def logit_correlation(ref: torch.Tensor, eng: torch.Tensor) -> float | None:
+    """Pearson correlation of two logit tensors over all their values (None where either is
+    constant or not finite)."""
+    a, b = ref.double().flatten(), eng.double().flatten()
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return None
+    a, b = a - a.mean(), b - b.mean()
+    denom = float(a.norm() * b.norm())
+    return float(a @ b) / denom if denom > 0 else None

@@ -171,7 +171,9 @@ def fetch_dataset(name: str, samples_spec: dict[str, Any], dataset: dict[str, An
     rows = _load_split(snap, dataset["files"][split])
     log.info("%s %s: %d rows", dataset["repo"], split, len(rows))
     fam = _family(family)
-    samples = fam.draw_samples(rows, samples_spec, fam.processor(_snapshot(checkpoint_json)))
+    # A detection dataset's declared box layout, which the family checks against every drawn image.
+    spec = samples_spec | ({"box_format": dataset["box_format"]} if dataset.get("box_format") else {})
+    samples = fam.draw_samples(rows, spec, fam.processor(_snapshot(checkpoint_json)))
     if len(samples) < samples_spec["count"]:
         log.warning("%s: only %d of %d samples qualify", name, len(samples), samples_spec["count"])
     write_json(out, "samples", {

@@ -168,7 +168,6 @@ def dry_run_with_studies(tmp_path: Path, studies: dict) -> "subprocess.Completed
 
     run = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     run["studies"] = studies
-    run.pop("engine_studies", None)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(run))
     return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--snakefile", str(ROOT / "Snakefile"),
                            "--directory", str(tmp_path), "--configfile", str(tmp_path / "config.yaml")],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from quantstudy.audit import probes_differ
+from quantstudy.audit import one_engine_problems, probes_differ
 from quantstudy.reproduce import compare_quality, compare_timing
 
 
@@ -45,3 +45,17 @@ def test_timing_x_is_compared_within_the_larger_round_to_round_range():
     assert d["key"] == "graphs.main.x" and abs(d["tolerance"] - 0.02) < 1e-12
     assert compare_timing(timing(1.1, 1.1, 1.1), {**timing(1.1, 1.1, 1.1), "engine_sha256": {"main": "f"}})[0][
         "key"] == "engine_sha256"
+
+
+def test_probes_are_compared_between_the_jobs_of_one_setting():
+    """One engine serving two sizes (`engine:`): its 96x128 evaluation probed other inputs than its 96x96
+    timing, so their probes differ and no problem is raised; the 96x96 evaluation's differing probe is one.
+    A different engine file is a problem at any setting."""
+    job = lambda setting, value, sha="e1": {"setting": setting, "engine_sha256": {"main": sha},  # noqa: E731
+                                            "probe": _probe([value, 1.0])}
+    timed = [("square/timing.json", job("96x96", 0.5))]
+    assert one_engine_problems("build.json", timed, [("wide/quality.json", job("96x128", -0.3))]) == []
+    [problem] = one_engine_problems("build.json", timed, [("square/quality.json", job("96x96", -0.3))])
+    assert problem.startswith("square/timing.json and square/quality.json got different answers")
+    [problem] = one_engine_problems("build.json", timed, [("wide/quality.json", job("96x128", 0.5, sha="e2"))])
+    assert "measured different engines of build.json" in problem

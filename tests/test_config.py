@@ -52,24 +52,6 @@ def test_cluster_configs_load_once_their_revisions_are_locked(name, tmp_path, mo
         assert "python -m quantstudy.lock" in str(e.value)
 
 
-def test_a_study_whose_quality_steps_are_not_written_stops_when_they_are_planned(tmp_path):
-    """Deformable DETR's engines are written, its quality steps not (DeformableDetr.unwritten): the
-    embedded default lists it under engine_studies, which the workflow does not run. Under studies,
-    planning its reference and evaluate jobs stops the run before any job, saying what is missing."""
-    doc = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    run = qc.load_run(doc)
-    assert "deformable_detr" in run.engine_studies and "deformable_detr" not in run.studies
-    assert run.engine_studies["deformable_detr"].unwritten.startswith("its quality steps")
-    assert run.studies["gpt_neo"].unwritten is None
-    proc = dry_run_with_studies(tmp_path, {"deformable_detr": doc["engine_studies"]["deformable_detr"]})
-    assert proc.returncode != 0
-    said = proc.stdout + proc.stderr  # Snakemake prints its errors on stdout
-    assert "study deformable_detr: its quality steps" in said and "are not written yet" in said
-    with pytest.raises(qc.ConfigError, match="deformable_detr: listed under both studies and engine_studies"):
-        qc.load_run({**doc, "studies": {**doc["studies"],
-                                        "deformable_detr": doc["engine_studies"]["deformable_detr"]}})
-
-
 @pytest.mark.parametrize("call", sorted(p.name for p in (ROOT / "config/realsize/calls").glob("*.yaml")))
 def test_device_call_configs_load_over_the_h200_run(call, tmp_path, monkeypatch):
     """A device call's config file, layered over config/h200.yaml as Snakemake layers a second
@@ -160,8 +142,8 @@ def test_a_cluster_job_step_reads_the_config_without_torch(tmp_path):
             for load in ("job step", "full", "full")]
     assert seen == [["False", "False"], ["True", "True"], ["False", "False"]]
     run = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    # one recorded check per study and engine study
-    assert len(list(tmp_path.iterdir())) == len(run["studies"]) + len(run.get("engine_studies") or {})
+    # one recorded check per study
+    assert len(list(tmp_path.iterdir())) == len(run["studies"])
 
 
 def test_a_recorded_check_covers_only_its_own_config(tmp_path, monkeypatch):

@@ -107,7 +107,13 @@ def test_settings_and_graph(fam):
 
 def test_kernel_groups(fam):
     ort_op = lambda op: {"name": f"onnxruntime::{op}", "shapes": [], "dtypes": []}
-    cases = [((quantization.FP8_REGION, "aten::mul", "cpu", None), "GEMM"),
+    cases = [((quantization.FP8_REGION, "aten::mul", "cpu", None), "Quantize"),
+             ((quantization.FP8_REGION, "aten::linear", "cpu", None), "GEMM"),
+             ((None, "aten::_scaled_mm", "cpu", None), "GEMM"),
+             ((None, "onnxruntime::QuantizeLinear", "cpu", ort_op("QuantizeLinear")), "Quantize"),
+             ((None, "onnxruntime::DequantizeLinear", "cpu", ort_op("DequantizeLinear")), "Quantize"),
+             ((None, "void quantize_fp8_e4m3_kernel<half>", "cuda", None), "Quantize"),
+             ((None, "sm100_xmma_gemm_e4m3f16_e4m3f32", "cuda", None), "GEMM"),
              ((None, "aten::linear", "cpu", None), "GEMM"),
              ((None, "aten::grid_sampler_2d", "cpu", None), "GridSample"),
              ((None, "onnxruntime::GridSample", "cpu", ort_op("GridSample")), "GridSample"),
@@ -178,23 +184,152 @@ def test_calibration_batches_use_the_processor_resize(fam, checkpoint, tmp_path)
         fam.calibration_batches(checkpoint, [{**samples[0], "row": 1}], SETTINGS[0])
 
 
-def test_tiny_dataset_is_coco_layout_parquet_and_draws_disjoint_image_sets(fam, checkpoint, tmp_path):
-    """The generated split reads as detection-datasets/coco's columns; seeded sets at disjoint
-    offsets share no image, and each sample's sha256 is that of its image in the file."""
+TINY_DATA = {"kind": "images", "seed": 0, "rows": 12, "short_side": [60, 80], "box_format": "xyxy"}
+
+
+def _tiny_split(fam, folder, tiny=TINY_DATA):
     from quantstudy import steps
 
-    tiny = {"kind": "images", "seed": 0, "rows": 12, "short_side": [60, 80]}
-    files = fam.tiny_dataset_files({"val": "data/val-*.parquet"}, tiny, TINY)
-    for name, data in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_bytes(data)
-    rows = steps._load_split(tmp_path, "data/val-*.parquet")
+    for name, data in fam.tiny_dataset_files({"val": "data/val-*.parquet"}, tiny, TINY).items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    return steps._load_split(folder, "data/val-*.parquet")
+
+
+def test_tiny_dataset_is_coco_layout_parquet_and_draws_disjoint_image_sets(fam, checkpoint, tmp_path):
+    """The generated split reads as detection-datasets/coco's columns, its categories a ClassLabel of
+    the tiny detector's names (not in its label order); seeded sets at disjoint offsets share no
+    image, and each sample's sha256 is that of its image and its boxes in the file."""
+    rows = _tiny_split(fam, tmp_path)
     assert {"image_id", "image", "width", "height", "objects", "__url__", "__index__"} <= set(rows.column_names)
-    calibration = fam.draw_samples(rows, {"kind": "images", "count": 5, "seed": 0, "offset": 0}, None)
-    heldout = fam.draw_samples(rows, {"kind": "images", "count": 5, "seed": 0, "offset": 5}, None)
+    names = rows.features["objects"]["category"].feature.names
+    assert names == ["airplane", "bicycle", "car", "motorcycle", "person"]
+    assert names != [TINY["id2label"][str(i)] for i in range(1, 6)]
+    spec = {"kind": "images", "count": 5, "seed": 0, "box_format": "xyxy"}
+    calibration = fam.draw_samples(rows, {**spec, "offset": 0}, None)
+    heldout = fam.draw_samples(rows, {**spec, "offset": 5}, None)
     assert len(calibration) == len(heldout) == 5 and not {s["id"] for s in calibration} & {s["id"] for s in heldout}
     assert fam.content_sha256(calibration + heldout) == [s["sha256"] for s in calibration + heldout]
     assert all(min(image.size) >= 60 for image in load_images(calibration))
+
+
+def test_tiny_boxes_are_sub_regions_and_a_wrong_box_format_stops_the_draw(fam, tmp_path):
+    """Every tiny box lies inside its image and is smaller than it (a box in the wrong format would
+    end outside); drawn as xywh, the xyxy data is refused with the image and the box named, and a
+    dataset that declares no box format is refused too."""
+    rows = _tiny_split(fam, tmp_path)
+    spec = {"kind": "images", "count": 12, "seed": 0}
+    for row in rows:
+        for x0, y0, x1, y1 in row["objects"]["bbox"]:
+            assert 0 <= x0 < x1 <= row["width"] and 0 <= y0 < y1 <= row["height"]
+            assert (x1 - x0) * (y1 - y0) < 0.5 * row["width"] * row["height"]
+    with pytest.raises(ValueError, match=r"image \d+ of .* has the box .* read as xywh .* ends outside"):
+        fam.draw_samples(rows, {**spec, "box_format": "xywh"}, None)
+    with pytest.raises(ValueError, match="box_format is None; declare it"):
+        fam.draw_samples(rows, spec, None)
+    xywh = _tiny_split(fam, tmp_path / "xywh", {**TINY_DATA, "box_format": "xywh"})
+    assert len(fam.draw_samples(xywh, {**spec, "box_format": "xywh"}, None)) == 12
+
+
+def test_a_sample_hash_covers_its_boxes(fam, tmp_path):
+    """Change one box in the parquet file (the image untouched): the sample's sha256 no longer holds,
+    and loading its images refuses it."""
+    import datasets
+
+    rows = _tiny_split(fam, tmp_path)
+    samples = fam.draw_samples(rows, {"kind": "images", "count": 3, "seed": 0, "box_format": "xyxy"}, None)
+    path = samples[0]["file"]
+    table = datasets.Dataset.from_parquet(path)
+    edited = table.map(lambda r, i: {"objects": {**r["objects"], "bbox": [[b[0] + 1, *b[1:]] for b in r["objects"]["bbox"]]}
+                                     if i == samples[0]["row"] else r["objects"]}, with_indices=True)
+    edited.to_parquet(path)
+    assert fam.content_sha256(samples)[0] != samples[0]["sha256"]
+    assert fam.content_sha256(samples)[1:] == [s["sha256"] for s in samples[1:]]
+    with pytest.raises(ValueError, match="and its boxes .* do not have the sample's sha256"):
+        load_images(samples)
+
+
+def _oracle(rows, samples, nan_image=None):
+    """A stand-in engine that detects exactly the ground truth, computed here from the parquet rows
+    (xyxy pixels -> [cx, cy, w, h] of the image; the category by name -> the tiny head's label id):
+    query j of an image holds its box j at logit 10 for its label, every other logit -20. It is
+    fed the images in the samples' order and counts them."""
+    label_id = {name: int(i) for i, name in TINY["id2label"].items()}
+    names = rows.features["objects"]["category"].feature.names
+    queries, labels = TINY["num_queries"], len(TINY["id2label"])
+    logits = torch.full((len(samples), queries, labels), -20.0)
+    boxes = torch.tensor([0.5, 0.5, 0.1, 0.1]).repeat(len(samples), queries, 1)
+    for n, s in enumerate(samples):
+        row = rows[s["row"]]
+        w, h = row["width"], row["height"]
+        for j, (c, (x0, y0, x1, y1)) in enumerate(zip(row["objects"]["category"], row["objects"]["bbox"])):
+            logits[n, j, label_id[names[c]]] = 10.0
+            boxes[n, j] = torch.tensor([(x0 + x1) / 2 / w, (y0 + y1) / 2 / h, (x1 - x0) / w, (y1 - y0) / h])
+    if nan_image is not None:
+        boxes[nan_image, 0, 0] = float("nan")
+    fed = []
+
+    def run(x, what=""):
+        start = len(fed)
+        fed.extend(range(start, start + len(x["pixel_values"])))
+        return {"logits": logits[start:len(fed)], "pred_boxes": boxes[start:len(fed)]}
+    return run, {"heldout_logits": logits, "heldout_boxes": boxes}
+
+
+def test_an_engine_that_finds_every_box_scores_ap_1(fam, checkpoint, tmp_path):
+    """The whole chain from the parquet to COCO AP: images fed at the setting's size, detections
+    mapped back to each image's pixels, categories mapped to the head's label ids by name, the xyxy
+    boxes read as declared. An oracle scores AP 1 and agrees with itself; the same oracle with one
+    image's box made NaN is counted non-finite. A map by index (the dataset's category i as label
+    i + 1, as the whole-frame fixture used) would score far below 1."""
+    rows = _tiny_split(fam, tmp_path)
+    samples = fam.draw_samples(rows, {"kind": "images", "count": 8, "seed": 0, "box_format": "xyxy"}, None)
+    setting = SETTINGS[1]
+    metrics = {"score_threshold": 0.5, "match_iou": 0.5}
+    run, reference = _oracle(rows, samples)
+    got = fam.evaluate(checkpoint, run, reference, {"heldout": samples}, setting, metrics, {}, "cpu")
+    block = got.blocks["heldout"]
+    assert block["ap"] == pytest.approx(1.0) and block["ap50"] == pytest.approx(1.0)
+    assert block["reference_ap"] == pytest.approx(1.0) and block["ap_drop"] == pytest.approx(0.0)
+    assert block["annotations"] == sum(s["objects"] for s in samples) == block["matched"]
+    assert block["precision"] == block["recall"] == 1.0 and block["logit_correlation"] == pytest.approx(1.0)
+    assert got.nonfinite == {"heldout": {"bad": 0, "of": 8}}
+    broken, _ = _oracle(rows, samples, nan_image=2)
+    theirs, _ = _oracle(rows, samples)
+    got = fam.evaluate(checkpoint, broken, reference, {"heldout": samples}, setting, metrics, {}, "cpu",
+                       against={"fp16": theirs})
+    assert got.nonfinite["heldout"] == {"bad": 1, "of": 8}
+    assert got.blocks["heldout"]["ap"] < 1.0 and got.blocks["heldout_vs_fp16"]["ap"] == pytest.approx(1.0)
+    assert got.blocks["heldout_vs_fp16"]["ap_drop"] == pytest.approx(1.0 - got.blocks["heldout"]["ap"])
+
+
+def test_reference_is_the_transformers_model_on_the_engines_inputs(fam, checkpoint, tmp_path):
+    """The reference's tensors are Transformers' outputs on the images resized to the setting (not the
+    processor's own resize), and its AP is scored on them."""
+    from transformers.models.deformable_detr.image_processing_pil_deformable_detr import (
+        DeformableDetrImageProcessorPil)
+
+    rows = _tiny_split(fam, tmp_path)
+    samples = fam.draw_samples(rows, {"kind": "images", "count": 3, "seed": 0, "box_format": "xyxy"}, None)
+    setting = SETTINGS[1]
+    tensors, blocks = fam.reference(checkpoint, {"heldout": samples}, setting, {}, {}, "cpu")
+    model = fam.load_reference(checkpoint)
+    processor = DeformableDetrImageProcessorPil.from_pretrained(str(checkpoint))
+    image = rows.cast_column("image", datasets_image())[samples[1]["row"]]["image"].convert("RGB")
+    x = processor(images=image.resize((128, 96), resample=2), do_resize=False, do_pad=False,
+                  return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        want = model(pixel_values=x)
+    assert tensors["heldout_logits"].shape == (3, TINY["num_queries"], len(TINY["id2label"]))
+    torch.testing.assert_close(tensors["heldout_logits"][1:2], want.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tensors["heldout_boxes"][1:2], want.pred_boxes, rtol=1e-4, atol=1e-4)
+    assert blocks["heldout"]["images"] == 3 and 0.0 <= blocks["heldout"]["ap"] <= 1.0
+
+
+def datasets_image():
+    from datasets import Image
+
+    return Image()
 
 
 def test_example_inputs_are_deterministic(fam, checkpoint):

@@ -246,3 +246,76 @@ def test_the_two_coco_evaluators_agree_on_a_scattered_case():
     assert 0.1 < a["ap"] < 0.9
     for k in ("ap", "ap50", "ap75"):
         assert a[k] == pytest.approx(b[k], abs=1e-9)
+
+
+@pytest.mark.parametrize("box, fmt, problem", [
+    ([10, 20, 30, 40], "xywh", None),             # ends at 40, 60 inside 50 x 80
+    ([10, 20, 30, 40], "xyxy", None),             # ends at 30, 40
+    ([30, 10, 25, 60], "xywh", "outside"),        # ends at x 55 > 50
+    ([30, 10, 25, 60], "xyxy", "left of"),        # x_max 25 < x_min 30
+    ([0, 0, 50.4, 80.4], "xyxy", None),           # within half a pixel of the border
+    ([0, 0, 50, float("nan")], "xywh", "not finite")])
+def test_box_problems_in_each_format(box, fmt, problem):
+    """A 50 x 80 image: the same four numbers are a box in one format and not in the other."""
+    got = qm.box_problems(box, 50, 80, fmt)
+    assert (got is None) if problem is None else (problem in got)
+
+
+def test_box_format_conversion_and_an_unknown_format():
+    assert qm.to_xywh([10, 20, 30, 60], "xyxy") == [10, 20, 20, 40]
+    assert qm.to_xywh([10, 20, 30, 60], "xywh") == [10, 20, 30, 60]
+    with pytest.raises(ValueError, match="box_format is one of"):
+        qm.box_problems([0, 0, 1, 1], 5, 5, "cxcywh")
+
+
+def test_category_map_is_by_name_not_by_index():
+    """COCO's head numbers person 1, car 3 (2 is bicycle, 12 is "N/A"); a dataset with its 80 names
+    from 0 lists them in its own order. Case does not matter; a name the head lacks is an error."""
+    head = {0: "N/A", 1: "person", 2: "bicycle", 3: "car", 12: "N/A", 13: "stop sign"}
+    assert qm.category_map(head, ["car", "Person", "stop sign"]) == {0: 3, 1: 1, 2: 13}
+    with pytest.raises(ValueError, match=r"\['zebra'\] are not labels of the detector"):
+        qm.category_map(head, ["person", "zebra"])
+
+
+def test_top_detections_take_the_best_query_label_pairs_in_pixels():
+    """Two queries, three labels (label 0 is "N/A", never a detection). Query 1's label 2 scores
+    highest; k = 3 keeps it, query 0's label 1 and query 1's label 1, in that order. A query's box
+    [cx, cy, w, h] = [0.5, 0.5, 0.2, 0.4] of a 200 x 100 image is [80, 30, 40, 40] in pixels."""
+    logits = torch.tensor([[9.0, 1.0, -2.0], [9.0, 0.5, 3.0]])
+    boxes = torch.tensor([[0.25, 0.5, 0.5, 0.2], [0.5, 0.5, 0.2, 0.4]])
+    got = qm.top_detections(logits, boxes, 200, 100, {1, 2}, k=3)
+    assert [(d["category_id"], round(d["score"], 4)) for d in got] == [
+        (2, round(1 / (1 + math.exp(-3)), 4)), (1, round(1 / (1 + math.exp(-1)), 4)),
+        (1, round(1 / (1 + math.exp(-0.5)), 4))]
+    assert got[0]["bbox"] == pytest.approx([80, 30, 40, 40])
+    assert got[1]["bbox"] == pytest.approx([0, 40, 100, 20])
+
+
+def test_detection_agreement_counts_matches_of_label_and_iou():
+    """Reference: a cat at [0, 0, 10, 10] and a dog at [20, 20, 10, 10], both above the 0.5 score
+    threshold, and a faint cat below it. Engine: the cat box shifted by 2 (IoU 64/136 = 0.47, no
+    match at 0.5, a match at 0.4), the dog exact, and a bird nowhere in the reference. At IoU 0.5:
+    1 of 3 engine detections matched (precision 1/3), 1 of 2 reference ones (recall 1/2)."""
+    ref = [[{"category_id": 1, "bbox": [0, 0, 10, 10], "score": 0.9},
+            {"category_id": 2, "bbox": [20, 20, 10, 10], "score": 0.8},
+            {"category_id": 1, "bbox": [50, 50, 10, 10], "score": 0.2}]]
+    eng = [[{"category_id": 1, "bbox": [2, 2, 10, 10], "score": 0.9},
+            {"category_id": 2, "bbox": [20, 20, 10, 10], "score": 0.7},
+            {"category_id": 3, "bbox": [0, 0, 10, 10], "score": 0.6}]]
+    got = qm.detection_agreement(ref, eng, 0.5, 0.5)
+    assert (got["precision"], got["recall"]) == (pytest.approx(1 / 3), pytest.approx(1 / 2))
+    loose = qm.detection_agreement(ref, eng, 0.5, 0.4)
+    assert (loose["precision"], loose["recall"]) == (pytest.approx(2 / 3), pytest.approx(1.0))
+    # One reference detection matches one engine detection only: two engine copies of the dog, one match.
+    twice = qm.detection_agreement(ref, [eng[0] + [eng[0][1]]], 0.5, 0.5)
+    assert twice["matched"] == 1 and twice["precision"] == pytest.approx(1 / 4)
+    assert qm.detection_agreement([[]], [[]], 0.5, 0.5)["precision"] is None
+
+
+def test_logit_correlation_of_known_cases():
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert qm.logit_correlation(a, 2 * a + 5) == pytest.approx(1.0)
+    assert qm.logit_correlation(a, -a) == pytest.approx(-1.0)
+    # [1, 2, 3, 4] against [1, 2, 4, 3]: centred dot 4.0 over 5.0
+    assert qm.logit_correlation(a, torch.tensor([[1.0, 2.0], [4.0, 3.0]])) == pytest.approx(0.8)
+    assert qm.logit_correlation(a, torch.tensor([[1.0, float("nan")], [3.0, 4.0]])) is None

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from quantstudy import config as qc, steps
+from quantstudy import audit, config as qc, steps
 
 from test_config import load, study_doc
 
@@ -19,6 +19,7 @@ SQUARE = {"name": "96x96", "batch": 1, "shape": {"height": 96, "width": 96}, "qu
 WIDE = {"name": "96x128", "batch": 1, "shape": {"height": 96, "width": 128}, "quality": False}
 FP16 = {"precision": "float16", "transforms": []}
 TIMING = {"warmup": 1, "rounds": 2, "calls_per_round": 1}
+TINY_QUERIES = 16  # config/architectures/tiny-deformable-detr.json
 
 
 def shared_doc() -> dict:
@@ -98,6 +99,7 @@ def test_one_dynamic_engine_is_timed_at_two_sizes(backend, detr_checkpoint, tmp_
     if backend == "torch":  # built for both sizes, and for no other
         assert json.loads(build.read_text())["graphs"]["main"]["shapes"] == [
             {"pixel_values": [1, 3, 96, 96]}, {"pixel_values": [1, 3, 96, 128]}]
+    probes = []
     for setting in (SQUARE, WIDE):
         out = tmp_path / setting["name"] / "timing.json"
         steps.time({"target": target["target"], **ident, "setting": setting["name"]}, "deformable_detr", target,
@@ -105,6 +107,11 @@ def test_one_dynamic_engine_is_timed_at_two_sizes(backend, detr_checkpoint, tmp_
         doc = json.loads(out.read_text())
         assert doc["status"] == "ok", doc.get("error")
         assert doc["shape"] == setting["shape"] and doc["setting"] == setting["name"]
+        probes.append(doc["probe"])
+    # Each job probes the engine on its own setting's inputs: the probes differ, so the audit compares
+    # probes of the jobs of one setting only (test_audit.py).
+    assert [p["main"]["pred_boxes"]["shape"] for p in probes] == [[1, TINY_QUERIES, 4]] * 2
+    assert audit.probes_differ(probes[0], probes[1]) is not None
 
 
 def test_the_dag_builds_a_shared_engine_once_and_times_it_at_both_sizes(tmp_path):

@@ -99,10 +99,6 @@ class Family(Protocol):
     name: str
     kernel_groups: list[str]  # the write-up's kernel-time groups, in its table's order
     regions: dict[str, str]  # record_function region -> kernel group (eager torch profiles)
-    # What of the family's study is not written yet (None: nothing). The workflow refuses to plan such
-    # a study's quality jobs (reference, evaluate); a run config lists it under engine_studies, whose
-    # engines benchmarks/torch_vs_plain.py builds and times.
-    unwritten: str | None
 
     # --- configuration and loading ---------------------------------------------------------
     def hf_config(self, architecture: dict[str, Any]) -> Any: ...

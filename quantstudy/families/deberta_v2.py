@@ -195,7 +195,6 @@ class DebertaV2:
 
     kernel_groups = KERNEL_GROUPS
     regions = REGIONS
-    unwritten = None  # every step of the study is written
 
     @staticmethod
     def kernel_group(region: str | None, name: str, device: str, op: dict[str, Any] | None,

@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import random
 import re
 import tempfile
@@ -50,22 +51,29 @@ from torch import nn
 
 from quantstudy.families import base, register
 
+log = logging.getLogger(__name__)
+
 # Kernel-time groups of the write-up, in the order it names them: the GEMMs (all linears and
 # the decoder's self-attention products), GridSample (the deformable attention), the fused
-# normalization and elementwise kernels, the backbone and input-projection convolutions.
-KERNEL_GROUPS = ["GEMM", "GridSample", "normalization and elementwise", "convolution", "other"]
+# normalization and elementwise kernels, the backbone and input-projection convolutions, and
+# Quantize: the FP8 layers' activation Quantize (and Dequantize) work, apart from their GEMMs, as
+# the write-up sets the Quantize fused into the encoder's deformable sums against the GEMM time saved.
+KERNEL_GROUPS = ["GEMM", "GridSample", "normalization and elementwise", "convolution", "Quantize", "other"]
 REGIONS: dict[str, str] = {}  # the ops are recognisable by name; no record_function regions
 
 # A CPU op (or the op that launched a GPU kernel) by name: torch (`aten::...`) and ONNX
 # Runtime (`onnxruntime::<OpType>`) names.
-OP_PATTERNS = [("GridSample", r"grid_sampler|::gridsample$"),
+OP_PATTERNS = [("Quantize", r"::(quantize|dequantize)linear$"),
+               ("GridSample", r"grid_sampler|::gridsample$"),
                ("convolution", r"conv"),
                ("normalization and elementwise",
                 r"norm|softmax|::(add|sub|mul|div|neg|relu|sigmoid|exp|log|sin|cos|pow|sqrt|rsqrt|reciprocal|clamp"
                 r"|clamp_min|masked_fill|where|cast|_to_copy|copy)_?$")]
-# A GPU kernel whose op is unknown (compiled code, TensorRT), by its name. Convolutions
-# first: cuDNN's implicit-GEMM kernels would otherwise read as GEMMs.
-KERNEL_PATTERNS = [("GridSample", r"grid_?sampl"),
+# A GPU kernel whose op is unknown (compiled code, TensorRT), by its name. Quantize first (an FP8
+# GEMM's name may say e4m3 too, a Quantize kernel's says quantize); convolutions before GEMMs:
+# cuDNN's implicit-GEMM kernels would otherwise read as GEMMs.
+KERNEL_PATTERNS = [("Quantize", r"quantiz"),
+                   ("GridSample", r"grid_?sampl"),
                    ("convolution", r"conv|fprop|implicit"),
                    ("GEMM", r"gemm|hmma|xmma|cutlass|nvjet|e4m3|fp8|triton_tem_.*mm"),
                    ("normalization and elementwise",
@@ -85,7 +93,7 @@ TINY_PROCESSOR_SIZE = {"shortest_edge": 96, "longest_edge": 160}
 TIMM_BACKBONES = {"resnet50": {"model_type": "resnet", "embedding_size": 64, "depths": [3, 4, 6, 3],
                                "hidden_sizes": [256, 512, 1024, 2048], "layer_type": "bottleneck"}}
 
-NOT_YET = "deformable_detr: the study's metrics come with its study (issue 9)"
+EVAL_CHUNK = 16  # images decoded and run at a time
 
 
 def level_samples(value: torch.Tensor, value_spatial_shapes_list: list[tuple[int, int]],
@@ -214,7 +222,6 @@ class DeformableDetr:
 
     kernel_groups = KERNEL_GROUPS
     regions = REGIONS
-    unwritten = "its quality steps (reference and evaluate: COCO AP and agreement against PyTorch fp32)"
 
     # --- configuration and loading -------------------------------------------------------
     @staticmethod
@@ -313,56 +320,97 @@ class DeformableDetr:
     def tiny_dataset_files(self, files: dict[str, str], tiny: dict[str, Any],
                            architecture: dict[str, Any]) -> dict[str, bytes]:
         """One parquet file per split in detection-datasets/coco's layout (image_id; image {bytes: a
-        JPEG, path}; width; height; objects {bbox_id, category, bbox [x, y, w, h], area}) of seeded
-        views of scikit-image's photographs (quantstudy.fixtures), each with one box, its whole
-        frame, of category photo index + 1. `short_side: [lo, hi]` sizes the views (default COCO's
-        480 to 640 px)."""
-        import pandas as pd
+        JPEG, path}; width; height; objects {bbox_id, category, bbox, area}), written with its
+        `datasets` features so that `category` is a ClassLabel with names, as there.
+
+        The images are seeded views of scikit-image's photographs (quantstudy.fixtures), `short_side:
+        [lo, hi]` sizing them (COCO's 480 to 640 px by default). Each holds 1 to `objects` boxes, each
+        a seeded sub-region of the frame (a fifth to two thirds of each side) in `box_format`, so a box
+        read in the wrong format ends outside its image. The categories are the tiny detector's labels
+        other than "N/A", in alphabetical order: their indices are not its label ids, and only a map by
+        name scores them right."""
+        import datasets
 
         from quantstudy import fixtures
 
         if tiny["kind"] != "images":
             raise ValueError(f"a tiny Deformable DETR dataset holds images, not {tiny['kind']!r}")
+        box_format = tiny["box_format"]
+        names = sorted({n for n in architecture["id2label"].values() if n != "N/A"})
+        features = datasets.Features({
+            "image_id": datasets.Value("int64"), "image": datasets.Image(), "width": datasets.Value("int64"),
+            "height": datasets.Value("int64"),
+            "objects": {"bbox_id": datasets.List(datasets.Value("int64")),
+                        "category": datasets.List(datasets.ClassLabel(names=names)),
+                        "bbox": datasets.List(datasets.List(datasets.Value("float64"), length=4)),
+                        "area": datasets.List(datasets.Value("float64"))}})
         photos = [fixtures.photo(name) for name in fixtures.PHOTOS]
         short_side = tuple(tiny.get("short_side", (480, 640)))
-        out = {}
+        out, box_id = {}, 0
         for s, (split, pattern) in enumerate(sorted(files.items())):
             rng, rows = random.Random(tiny["seed"] * 1000 + s), []
             for i in range(tiny.get("rows", 40)):
-                p = rng.randrange(len(photos))
-                view, buf = fixtures.jittered(photos[p], rng, short_side), io.BytesIO()
+                view, buf = fixtures.jittered(photos[rng.randrange(len(photos))], rng, short_side), io.BytesIO()
                 view.save(buf, format="JPEG", quality=90)
                 w, h = view.size
-                objects = {"bbox_id": [i], "category": [p + 1], "bbox": [[0.0, 0.0, float(w), float(h)]],
-                           "area": [float(w * h)]}
+                objects: dict[str, list] = {"bbox_id": [], "category": [], "bbox": [], "area": []}
+                for _ in range(rng.randint(1, tiny.get("objects", 3))):
+                    bw, bh = round(rng.uniform(0.2, 0.67) * w, 2), round(rng.uniform(0.2, 0.67) * h, 2)
+                    x, y = round(rng.uniform(0, w - bw), 2), round(rng.uniform(0, h - bh), 2)
+                    box_id += 1
+                    objects["bbox_id"].append(box_id)
+                    objects["category"].append(rng.randrange(len(names)))
+                    objects["bbox"].append([x, y, bw, bh] if box_format == "xywh" else [x, y, x + bw, y + bh])
+                    objects["area"].append(bw * bh)
                 rows.append({"image_id": i, "image": {"bytes": buf.getvalue(), "path": f"{i:012d}.jpg"}, "width": w,
                              "height": h, "objects": objects})
             buf = io.BytesIO()
-            pd.DataFrame(rows).to_parquet(buf, index=False)
+            datasets.Dataset.from_list(rows, features=features).to_parquet(buf)
             out[fixtures.split_file(pattern)] = buf.getvalue()
         return out
 
     # --- samples and inputs --------------------------------------------------------------
     @staticmethod
     def draw_samples(rows: Any, spec: dict[str, Any], processor: Any) -> list[dict[str, Any]]:
-        """Images of a split (parquet rows with their `__url__` and `__index__`), in a seeded order.
+        """Images of a split (parquet rows with their `__url__` and `__index__`) with their boxes, in a
+        seeded order.
 
-        kind images: the rows base.seeded_rows picks (calibration and held out are disjoint). A
-        sample: {"id": the image_id, "sha256": of the image bytes, "file": the parquet file in the
-        pinned snapshot, "row": the image's row in it}.
+        kind images: the rows base.seeded_rows picks (calibration and held out are disjoint). Every
+        box of a drawn image must be a box inside that image in the dataset's declared `box_format`,
+        else the draw stops and names the image. A sample: {"id": the image_id, "sha256": of the
+        image bytes and its ground truth (AP depends on both), "file": the parquet file in the pinned
+        snapshot, "row": the image's row in it, "box_format", "objects": its number of boxes}.
         """
         from datasets import Image
 
+        from quantstudy import metrics as qm
+
         if spec["kind"] != "images":
             raise ValueError(f"deformable_detr draws images, not {spec['kind']!r}")
+        box_format = spec.get("box_format")
+        if box_format not in qm.BOX_FORMATS:
+            raise ValueError(f"deformable_detr: the dataset's box_format is {box_format!r}; declare it in the study's "
+                             f"datasets: entry, one of {', '.join(qm.BOX_FORMATS)} (AP depends on it)")
+        names = _feature_names(rows.features["objects"])
         picked = base.seeded_rows(len(rows), spec)
         rows = rows.cast_column("image", Image(decode=False))  # the bytes as stored: the content hash
-        return [{"id": int(row["image_id"]), "sha256": _sha(row["image"]["bytes"]), "file": row["__url__"],
-                 "row": int(row["__index__"])} for row in (rows[i] for i in picked)]
+        samples = []
+        for row in (rows[i] for i in picked):
+            truth = _truth(row, names)
+            for box in (o["bbox"] for o in truth["objects"]):
+                problem = qm.box_problems(box, truth["width"], truth["height"], box_format)
+                if problem:
+                    raise ValueError(f"deformable_detr: image {row['image_id']} of {row['__url__']} has the box {box}, "
+                                     f"which read as {box_format} {qm.BOX_FORMATS[box_format]} is not a box in the "
+                                     f"image: {problem}. Check the dataset's declared box_format")
+            samples.append({"id": int(row["image_id"]), "sha256": _sample_sha(row["image"]["bytes"], truth),
+                            "file": row["__url__"], "row": int(row["__index__"]), "box_format": box_format,
+                            "objects": len(truth["objects"])})
+        return samples
 
     @staticmethod
     def content_sha256(samples: list[dict[str, Any]]) -> list[str]:
-        return [_sha(data) for data in _image_bytes(samples)]
+        return [_sample_sha(data, truth) for data, truth in zip(_image_bytes(samples), _file_truth(samples))]
 
     def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
                             setting: base.Setting) -> list[dict[str, torch.Tensor]]:
@@ -398,26 +446,77 @@ class DeformableDetr:
         return {"pixel_values": torch.randn(setting.batch, 3, setting["height"], setting["width"], generator=g)}
 
     # --- measurements --------------------------------------------------------------------
-    def reference(self, checkpoint, samples, setting, metrics, seeds, device, dtype):
-        raise NotImplementedError(NOT_YET)
+    def reference(self, checkpoint: str | Path, samples: dict[str, list[dict[str, Any]]], setting: base.Setting,
+                  metrics: dict[str, Any], seeds: dict[str, int], device: str, dtype: Any = torch.float32):
+        """Transformers' DeformableDetrForObjectDetection (in `dtype`, fp32 for this study) on each
+        evaluation set's images, fed as the engines are (`detector_outputs`), and its COCO AP.
 
-    def evaluate(self, checkpoint, run, reference, samples, setting, metrics, seeds, device, against):
-        raise NotImplementedError(NOT_YET)
+        Tensors: `<set>_logits` [images, queries, labels] and `<set>_boxes` [images, queries, 4] float32.
+        """
+        model = self.load_reference(checkpoint, dtype).to(device)
+
+        def forward(x, what=""):
+            out = model(pixel_values=x["pixel_values"].to(device, dtype))
+            return {"logits": out.logits, "pred_boxes": out.pred_boxes}
+
+        labels = _category_map(checkpoint, samples)
+        tensors, blocks = {}, {}
+        for name, rows in samples.items():
+            logits, boxes = detector_outputs(forward, self.processor(checkpoint), rows, setting, name)
+            log.info("reference on %s: %d images", name, len(rows))
+            tensors[f"{name}_logits"], tensors[f"{name}_boxes"] = logits, boxes
+            blocks[name] = box_ap(logits, boxes, rows, labels)
+        return tensors, blocks
+
+    def evaluate(self, checkpoint: str | Path, run: base.Run, reference: dict[str, torch.Tensor],
+                 samples: dict[str, list[dict[str, Any]]], setting: base.Setting, metrics: dict[str, Any],
+                 seeds: dict[str, int], device: str, against: Any = None) -> base.Evaluation:
+        """Per evaluation set: the engine's COCO AP (AP, AP50, AP75) on its images fed as the
+        reference's were, the reference's AP and the drop from it, and the engine's agreement with the
+        reference: the correlation of their logits, and the precision and recall of the engine's
+        detections against the reference's (`metrics.score_threshold`, `metrics.match_iou`:
+        metrics.detection_agreement). Against another variant's engine (`quality_against`): the same
+        agreement with it, its AP and the drop from it. Non-finite: images whose logits or boxes hold
+        a NaN or an Inf.
+        """
+        from quantstudy import metrics as qm
+
+        labels, processor = _category_map(checkpoint, samples), self.processor(checkpoint)
+        blocks, nonfinite = {}, {}
+        for name, rows in samples.items():
+            logits, boxes = detector_outputs(run, processor, rows, setting, name)
+            mine = box_ap(logits, boxes, rows, labels)
+            ref_logits, ref_boxes = reference[f"{name}_logits"], reference[f"{name}_boxes"]
+            ref = box_ap(ref_logits, ref_boxes, rows, labels)
+            blocks[name] = {**mine, "reference_ap": ref["ap"], "ap_drop": ref["ap"] - mine["ap"],
+                            **agreement(ref_logits, ref_boxes, logits, boxes, rows, labels, metrics)}
+            bad = ~(torch.isfinite(logits).flatten(1).all(1) & torch.isfinite(boxes).flatten(1).all(1))
+            nonfinite[name] = {"bad": int(bad.sum()), "of": len(rows)}
+            for other_name, other in (against or {}).items():
+                their_logits, their_boxes = detector_outputs(other, processor, rows, setting, f"{name} on {other_name}")
+                theirs = box_ap(their_logits, their_boxes, rows, labels)
+                blocks[f"{name}_vs_{other_name}"] = {
+                    "ap": theirs["ap"], "ap_drop": theirs["ap"] - mine["ap"],
+                    **agreement(their_logits, their_boxes, logits, boxes, rows, labels, metrics)}
+        return base.Evaluation(blocks, nonfinite)
 
     @staticmethod
     def kernel_group(region: str | None, name: str, device: str, op: dict[str, Any] | None,
                      setting: base.Setting | None = None) -> str:
         """The write-up's kernel group of a profiled CPU op or GPU kernel.
 
-        An FP8 layer's region or a GEMM op is a GEMM; other ops go by name (GridSample,
-        convolutions, normalization and elementwise). A GPU kernel goes by the op that
-        launched it, else (compiled code, TensorRT) by its own name.
+        A GEMM op is a GEMM; any other op of an FP8 layer (its region, eager) is Quantize work, as
+        are ONNX Runtime's QuantizeLinear and DequantizeLinear; other ops go by name (GridSample,
+        convolutions, normalization and elementwise). A GPU kernel goes by the op that launched it,
+        else (compiled code, TensorRT) by its own name.
         """
         from quantstudy import timing as qt
 
         op_name = qt.launching_op(name, device, op)
-        if qt.in_fp8_gemm(region, op_name) or op_name in qt.GEMM_OPS:
+        if op_name in qt.GEMM_OPS:
             return "GEMM"
+        if qt.in_fp8_gemm(region, op_name):
+            return "Quantize"
         for group, pattern in OP_PATTERNS:
             if op_name and re.search(pattern, op_name, re.I):
                 return group
@@ -443,15 +542,152 @@ def _image_bytes(samples: list[dict[str, Any]]) -> list[bytes]:
     return [columns[s["file"]][s["row"]].as_py()["bytes"] for s in samples]
 
 
+def _feature_names(objects: Any) -> list[str]:
+    """The category names of a dataset's `objects` feature: a dict of lists (datasets 4+) or, as older
+    uploads hold it, a Sequence of a dict."""
+    category = (objects.feature if hasattr(objects, "feature") else objects)["category"]
+    return list(getattr(category, "feature", category).names)
+
+
+def _file_names(path: str) -> list[str]:
+    """The category names a parquet file's `datasets` metadata records (a ClassLabel under objects.category)."""
+    import pyarrow.parquet as pq
+
+    meta = (pq.read_schema(path).metadata or {}).get(b"huggingface")
+    try:
+        node = json.loads(meta)["info"]["features"]["objects"]
+        node = node.get("feature", node)["category"]
+        while "names" not in node:
+            node = node["feature"]
+    except (TypeError, KeyError) as e:
+        raise ValueError(f"deformable_detr: {path} records no category names (a `datasets` ClassLabel under "
+                         f"objects.category): {e!r}") from e
+    return list(node["names"])
+
+
+def _truth(row: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """One image's ground truth as the dataset stores it: its size and each box (as stored, in the
+    dataset's box format) with its category's name."""
+    objects = row["objects"]
+    return {"width": int(row["width"]), "height": int(row["height"]),
+            "objects": [{"category": names[c], "bbox": [float(v) for v in box]}
+                        for c, box in zip(objects["category"], objects["bbox"], strict=True)]}
+
+
+def _sample_sha(image: bytes, truth: dict[str, Any]) -> str:
+    return _sha(image + b"\n" + json.dumps(truth, sort_keys=True).encode())
+
+
+def _file_truth(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each sample's ground truth read from its parquet file (each file's columns read once)."""
+    import pyarrow.parquet as pq
+
+    files: dict[str, tuple[Any, list[str]]] = {}
+    for s in samples:
+        if s["file"] not in files:
+            files[s["file"]] = (pq.read_table(s["file"], columns=["objects", "width", "height"]), _file_names(s["file"]))
+    out = []
+    for s in samples:
+        table, names = files[s["file"]]
+        out.append(_truth({k: table.column(k)[s["row"]].as_py() for k in ("objects", "width", "height")}, names))
+    return out
+
+
+def load_truth(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples' ground truth, boxes in COCO's [x, y, width, height] (read from their files; their
+    images and truth are checked against the samples' sha256 by load_images)."""
+    from quantstudy import metrics as qm
+
+    return [{**t, "objects": [{**o, "bbox": qm.to_xywh(o["bbox"], s["box_format"])} for o in t["objects"]]}
+            for s, t in zip(samples, _file_truth(samples))]
+
+
+def pixel_values(processor: Any, images: list, setting: base.Setting) -> torch.Tensor:
+    """[images, 3, height, width] float32: each image resized to the setting's height x width (its
+    aspect ratio not kept: the engine is timed at that shape, so AP is measured there), then rescaled
+    and normalized as the checkpoint's processor does. No padding, so no pixel mask."""
+    return processor(images=images, size={"height": setting["height"], "width": setting["width"]}, do_pad=False,
+                     return_tensors="pt")["pixel_values"]
+
+
+def detector_outputs(run: base.Run, processor: Any, samples: list[dict[str, Any]], setting: base.Setting,
+                     what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [images, queries, labels] and boxes [images, queries, 4] (float32, CPU) of `run` (an
+    engine, or the reference as one) on the samples' images, EVAL_CHUNK images decoded at a time."""
+    logits, boxes = [], []
+    for i in range(0, len(samples), EVAL_CHUNK):
+        x = pixel_values(processor, load_images(samples[i:i + EVAL_CHUNK]), setting)
+        with torch.no_grad():
+            out = run({"pixel_values": x}, f"{what} {i + len(x)}/{len(samples)}")
+        logits.append(out["logits"].float().cpu())
+        boxes.append(out["pred_boxes"].float().cpu())
+    return torch.cat(logits), torch.cat(boxes)
+
+
+def _category_map(checkpoint: str | Path, samples: dict[str, list[dict[str, Any]]]) -> dict[str, int]:
+    """Category name -> the detector's label id, by name, for every name the sample files record."""
+    from transformers import AutoConfig
+
+    from quantstudy import metrics as qm
+
+    names = sorted({n for rows in samples.values() for n in _file_names_of(rows)})
+    by_index = qm.category_map(AutoConfig.from_pretrained(str(checkpoint)).id2label, names)
+    return {name: by_index[i] for i, name in enumerate(names)}
+
+
+def _file_names_of(samples: list[dict[str, Any]]) -> list[str]:
+    return [n for f in sorted({s["file"] for s in samples}) for n in _file_names(f)]
+
+
+def _detections(logits: torch.Tensor, boxes: torch.Tensor, samples: list[dict[str, Any]],
+                labels: dict[str, int]) -> list[list[dict[str, Any]]]:
+    """Each image's top_detections over the dataset's categories, in pixels of the original image."""
+    from quantstudy import metrics as qm
+
+    keep = set(labels.values())
+    return [qm.top_detections(lg, bx, t["width"], t["height"], keep)
+            for lg, bx, t in zip(logits, boxes, load_truth(samples), strict=True)]
+
+
+def box_ap(logits: torch.Tensor, boxes: torch.Tensor, samples: list[dict[str, Any]],
+           labels: dict[str, int]) -> dict[str, Any]:
+    """COCO box AP (metrics.coco_box_ap, faster-coco-eval) of a detector's outputs on the samples'
+    images against their ground truth, categories mapped to the detector's label ids by name."""
+    from quantstudy import metrics as qm
+
+    truth = load_truth(samples)
+    images = [{"id": s["id"], "width": t["width"], "height": t["height"]} for s, t in zip(samples, truth)]
+    annotations = [{"image_id": s["id"], "category_id": labels[o["category"]], "bbox": o["bbox"],
+                    "area": o["bbox"][2] * o["bbox"][3], "iscrowd": 0} for s, t in zip(samples, truth) for o in t["objects"]]
+    detections = [{**d, "image_id": s["id"]} for s, ds in zip(samples, _detections(logits, boxes, samples, labels))
+                  for d in ds]
+    categories = [{"id": i, "name": n} for n, i in sorted(labels.items(), key=lambda kv: kv[1])]
+    return qm.coco_box_ap(images, annotations, detections, categories)
+
+
+def agreement(ref_logits: torch.Tensor, ref_boxes: torch.Tensor, logits: torch.Tensor, boxes: torch.Tensor,
+              samples: list[dict[str, Any]], labels: dict[str, int], metrics: dict[str, Any]) -> dict[str, Any]:
+    """An engine's logit correlation with another detector, and the precision and recall of its
+    detections against the other's (metrics.detection_agreement)."""
+    from quantstudy import metrics as qm
+
+    matched = qm.detection_agreement(_detections(ref_logits, ref_boxes, samples, labels),
+                                     _detections(logits, boxes, samples, labels),
+                                     metrics["score_threshold"], metrics["match_iou"])
+    return {"logit_correlation": qm.logit_correlation(ref_logits, logits), **matched}
+
+
 def load_images(samples: list[dict[str, Any]]) -> list:
-    """The samples' images (RGB PIL), read from their files and checked against their sha256."""
+    """The samples' images (RGB PIL), read from their files and checked with their ground truth against
+    their sha256."""
     from PIL import Image
 
     images = []
-    for s, data in zip(samples, _image_bytes(samples)):
-        if _sha(data) != s["sha256"]:
-            raise ValueError(f"deformable_detr: image {s['id']} (row {s['row']} of {s['file']}) does not have the "
-                             f"sample's sha256 {s['sha256']}: the snapshot is not the one the samples were drawn from")
+    for s, data, truth in zip(samples, _image_bytes(samples), _file_truth(samples)):
+        if _sample_sha(data, truth) != s["sha256"]:
+            raise ValueError(f"deformable_detr: image {s['id']} and its boxes (row {s['row']} of {s['file']}) do not "
+                             f"have the sample's sha256 {s['sha256']}: the snapshot is not the one the samples were "
+                             "drawn from")
         images.append(Image.open(io.BytesIO(data)).convert("RGB"))
     return images
 

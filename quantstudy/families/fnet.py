@@ -145,7 +145,6 @@ class FNet:
 
     kernel_groups = KERNEL_GROUPS
     regions = REGIONS
-    unwritten = None  # every step of the study is written
     # GPU kernels that no recognised op launched (e.g. Triton GEMM templates), by name.
     kernel_patterns = [("FP8 feed-forward GEMMs", r"(e4m3|fp8|f8f8|qqtst)"),
                        ("other GEMMs", r"(gemm|hmma|xmma|cutlass|nvjet|triton_tem_.*mm)")]

@@ -188,7 +188,6 @@ class GPTNeo:
 
     kernel_groups = KERNEL_GROUPS
     regions = REGIONS
-    unwritten = None  # every step of the study is written
     # GPU kernels that no recognised op launched (compiled or fused code), by name.
     kernel_patterns = [("FP8 projection GEMMs", r"(e4m3|fp8|f8f8)"),
                        ("attention", r"(fmha|flash|attention|softmax)"),

@@ -215,7 +215,6 @@ class TimmXcit:
 
     kernel_groups = KERNEL_GROUPS
     regions = REGIONS
-    unwritten = None  # every step of the study is written
     # GPU kernels that no recognised op launched (compiled code, TensorRT), by name; first match wins.
     kernel_patterns = [("FP8 GEMMs", r"(e4m3|fp8|f8f8|qqtst)"),
                        ("convolutions", r"(conv|fprop|depthwise|dgrad)"),

@@ -160,18 +160,29 @@ def _png(pixels: np.ndarray) -> bytes:
 
 
 def test_calibration_batches_use_the_processor_resize(fam, checkpoint, tmp_path):
-    """Images read from the samples' parquet rows, each through the processor's own resize."""
-    import hashlib
+    """Images read from the samples' parquet rows (drawn from a file in detection-datasets/coco's
+    layout), each through the processor's own resize."""
+    import datasets
 
-    import pandas as pd
+    from quantstudy import steps
 
     grey = _png(np.full((480, 640, 3), 128, dtype=np.uint8))  # 4:3, as a COCO image
     portrait = _png(np.random.default_rng(0).integers(0, 256, (640, 480, 3), dtype=np.uint8))
-    images = [{"bytes": b, "path": f"{i}.png"} for i, b in enumerate([grey, portrait])]
-    pd.DataFrame({"image_id": [7, 9], "image": images}).to_parquet(tmp_path / "val.parquet")
-    samples = [{"id": i, "sha256": hashlib.sha256(b).hexdigest(), "file": str(tmp_path / "val.parquet"), "row": row}
-               for row, (i, b) in enumerate([(7, grey), (9, portrait)])]
-    assert fam.content_sha256(samples) == [s["sha256"] for s in samples]
+    features = datasets.Features({
+        "image_id": datasets.Value("int64"), "image": datasets.Image(), "width": datasets.Value("int64"),
+        "height": datasets.Value("int64"),
+        "objects": {"bbox_id": datasets.List(datasets.Value("int64")),
+                    "category": datasets.List(datasets.ClassLabel(names=["person"])),
+                    "bbox": datasets.List(datasets.List(datasets.Value("float64"), length=4)),
+                    "area": datasets.List(datasets.Value("float64"))}})
+    rows = [{"image_id": i, "image": {"bytes": b, "path": f"{i}.png"}, "width": w, "height": h,
+             "objects": {"bbox_id": [i], "category": [0], "bbox": [[10.0, 10.0, 30.0, 40.0]], "area": [600.0]}}
+            for i, b, w, h in [(7, grey, 640, 480), (9, portrait, 480, 640)]]
+    datasets.Dataset.from_list(rows, features=features).to_parquet(tmp_path / "val.parquet")
+    drawn = fam.draw_samples(steps._load_split(tmp_path, "val.parquet"),
+                             {"kind": "images", "count": 2, "seed": 0, "box_format": "xyxy"}, None)
+    samples = sorted(drawn, key=lambda s: s["id"])
+    assert [(s["id"], s["row"]) for s in samples] == [(7, 0), (9, 1)]
     batches = fam.calibration_batches(checkpoint, samples, SETTINGS[0])
     assert [list(b) for b in batches] == [["pixel_values"], ["pixel_values"]]
     assert [tuple(b["pixel_values"].shape) for b in batches] == [(1, 3, 96, 128), (1, 3, 128, 96)]
@@ -180,7 +191,7 @@ def test_calibration_batches_use_the_processor_resize(fam, checkpoint, tmp_path)
     torch.testing.assert_close(batches[0]["pixel_values"][0, :, 40, 50], (128 / 255 - mean) / std)
     again = fam.calibration_batches(checkpoint, samples, SETTINGS[1])
     assert all(torch.equal(a["pixel_values"], b["pixel_values"]) for a, b in zip(batches, again))
-    with pytest.raises(ValueError, match="does not have the sample's sha256"):
+    with pytest.raises(ValueError, match="do not have the sample's sha256"):
         fam.calibration_batches(checkpoint, [{**samples[0], "row": 1}], SETTINGS[0])
 
 

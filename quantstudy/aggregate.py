@@ -149,9 +149,42 @@ def across_repeats(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _quality(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
     nf = doc["nonfinite"]
     sets = {k: v for k, v in nf.items() if isinstance(v, dict)}
-    yield {**flatten(doc["blocks"]), "nonfinite": nf["total_bad"],
+    yield {"evaluation_repeat": doc.get("repeat", 1), **flatten(doc["blocks"]), "nonfinite": nf["total_bad"],
            **{f"nonfinite.{k}": v["bad"] for k, v in sets.items()}, **{f"nonfinite.{k}.of": v["of"] for k, v in sets.items()},
            "nonfinite_detail": sets}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def across_evaluations(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One quality row per engine from the rows of its evaluation jobs (`evaluation.repeats`).
+
+    The values are the first job's; `evaluations` counts the jobs and `quality_sources` lists their
+    files. Where two or more jobs measured it, each metric's range across them: `<metric>.jobs_min` and
+    `<metric>.jobs_max` (a metric a job left non-finite or empty has none). A failed or damaged job
+    makes the engine's row that failure, as a timing job does (across_repeats).
+    """
+    by_engine: dict[tuple, list[dict[str, Any]]] = {}
+    for row in jobs:
+        by_engine.setdefault(tuple(row.get(k) for k in IDENT[:4]), []).append(row)
+    rows = []
+    for engine_rows in by_engine.values():
+        failed = [r for r in engine_rows if r.get("status") != "ok"]
+        if failed:
+            rows += failed
+            continue
+        ordered = sorted(engine_rows, key=lambda r: r["evaluation_repeat"])
+        row = {k: v for k, v in ordered[0].items() if k != "evaluation_repeat"}
+        row |= {"evaluations": len(ordered), "quality_sources": [r["source"] for r in ordered]}
+        if len(ordered) > 1:
+            for column, value in list(row.items()):
+                values = [r.get(column) for r in ordered]
+                if _number(value) and all(_number(v) for v in values):
+                    row[f"{column}.jobs_min"], row[f"{column}.jobs_max"] = min(values), max(values)
+        rows.append(row)
+    return rows
 
 
 def _build(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
@@ -443,7 +476,7 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
     started = now()
     damaged: list[dict[str, str]] = []  # inputs that could not be read: rendered, never a bare decoder error
     speed = pd.DataFrame(across_repeats(_records(_rows(inputs["timings"], "timing", _speed, damaged))))
-    quality = _rows(inputs["qualities"], "quality", _quality, damaged)
+    quality = pd.DataFrame(across_evaluations(_records(_rows(inputs["qualities"], "quality", _quality, damaged))))
     builds = _rows(inputs["builds"], "build", _build, damaged)
     kernels = _rows(inputs["kernels"], "kernels", _kernels, damaged)
     records = _rows(inputs["records"], "measurements", _record, damaged)
@@ -500,7 +533,8 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
                   "f_bases": {t: sorted({r["f_basis"] for r in _records(speed) if r.get("target") == t and r.get("f_basis")})
                               for t in targets}},
         "spec": {**{k: study[k] for k in ("models", "settings", "datasets", "samples", "evaluation_samples", "recipe",
-                                          "variants", "baseline", "candidate", "timing", "metrics", "decision")},
+                                          "variants", "baseline", "candidate", "timing", "evaluation", "metrics",
+                                          "decision")},
                  "quality_against": study.get("quality_against", [])},
         "checkpoints": [{k: c[k] for k in ("repo", "revision", "weights", "source")} for c in checkpoints],
         "samples": samples,

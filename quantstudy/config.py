@@ -128,6 +128,11 @@ class Study:
         """Separate timing jobs per timed variant (`timing.repeats`, the run's where it sets one)."""
         return self.raw["timing"]["repeats"]
 
+    @property
+    def evaluation_repeats(self) -> int:
+        """Separate evaluation jobs per engine (`evaluation.repeats`)."""
+        return self.raw["evaluation"]["repeats"]
+
     def setting(self, name: str) -> Setting:
         return self.settings[name]
 
@@ -305,8 +310,9 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
     if timing_repeats is not None:
         doc, where = deep_merge(doc, {"timing": {"repeats": timing_repeats}}), f"{where} + the run's timing_repeats"
     _validate(doc, "study.schema.yaml", where)
-    # One timing job per variant unless asked; int: the schema's integer also admits 2.0.
+    # One timing job and one evaluation job per engine unless asked; int: the schema's integer also admits 2.0.
     doc["timing"]["repeats"] = int(doc["timing"].get("repeats", 1))
+    doc["evaluation"] = {"repeats": int((doc.get("evaluation") or {}).get("repeats", 1))}
     study = _build_study(_locked(doc, where), where, against_code)
     if study.published:
         # Against the spec as well as this run's doc: a tiny run's overrides may leave out a model

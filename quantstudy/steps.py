@@ -635,9 +635,10 @@ def _batched_run(runners: dict[str, Any], batch: int):
 def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,
              metrics: dict[str, Any], seeds: dict[str, int], checkpoint_json: str, build_json: str,
              reference_json: str, reference_tensors: str, samples_jsons: dict[str, str], out: str,
-             against_builds: dict[str, str] | None = None) -> None:
+             against_builds: dict[str, str] | None = None, repeat: int = 1) -> None:
     """The family's quality metrics of the engine against the reference and against the engines
-    of `against_builds` (variant -> build.json, same target and setting), and its non-finite scan."""
+    of `against_builds` (variant -> build.json, same target and setting), and its non-finite scan;
+    `repeat`: which of the engine's evaluation jobs this is (evaluation.repeats)."""
     import torch
     from safetensors.torch import load_file
 
@@ -645,7 +646,7 @@ def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting
     inputs = {"checkpoint": checkpoint_json, "build": build_json, "reference": reference_json,
               "reference_tensors": reference_tensors, **samples_jsons,
               **{f"against_{v}": p for v, p in against_builds.items()}}
-    params = {"target": target, "metrics": metrics, "seeds": seeds, "setting": setting}
+    params = {"target": target, "metrics": metrics, "seeds": seeds, "setting": setting, "repeat": repeat}
 
     def measure() -> dict[str, Any]:
         _deterministic()
@@ -660,7 +661,7 @@ def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting
                                               seeds, tgt.device, against)
             log.info("%s; non-finite %d", result.blocks, result.total_nonfinite)
             probe = _probe(family, build_doc, checkpoint_json, st, runners)
-        return {"blocks": result.blocks, **_engine_digests(build_doc), "open_seconds": _opened(runners),
+        return {"repeat": repeat, "blocks": result.blocks, **_engine_digests(build_doc), "open_seconds": _opened(runners),
                 "probe": probe, "nonfinite": {**result.nonfinite, "total_bad": result.total_nonfinite}}
 
-    _record("quality", "evaluate", out, ident, inputs, params, measure)
+    _record("quality", "evaluate", out, ident, inputs, params, measure, {"repeat": repeat})

@@ -173,9 +173,10 @@ def study_targets(s):
     return [t for t in RUN.targets if not s.targets or t in s.targets]
 
 
-def timing_json(repeat):
-    """A variant's timing file of one repeat (1, 2, ...): the first keeps the name a run without repeats has."""
-    return "timing.json" if repeat == 1 else f"timing-r{repeat}.json"
+def repeat_file(name, repeat):
+    """A variant's timing or quality file of one job (1, 2, ...): the first keeps the name a run without
+    repeats has (timing.json, then timing-r2.json, ...)."""
+    return name if repeat == 1 else name.replace(".json", f"-r{repeat}.json")
 
 
 def repeat_index(w):
@@ -191,13 +192,14 @@ def build_measures_speed(w):
 def engine_files(s, name):
     """Every per-variant artifact `name` of a study: each engine it measures (builds and their
     measurements records: each engine it builds; timings and kernels: not those of models with
-    `timing: false`), on each of its targets; timings: each of the study's repeats."""
+    `timing: false`), on each of its targets; timings and qualities: each of the study's repeats."""
     if name in ("build.json", "measurements.json"):
         engines = s.builds(RUN.targets)
     else:
         engines = s.engines(RUN.targets, quality_only=name == "quality.json",
                             timed_only=name in ("timing.json", "kernels.json"))
-    names = [timing_json(r) for r in range(1, s.repeats + 1)] if name == "timing.json" else [name]
+    repeats = {"timing.json": s.repeats, "quality.json": s.evaluation_repeats}.get(name, 1)
+    names = [repeat_file(name, r) for r in range(1, repeats + 1)]
     return [f"results/{s.name}/{t}/{m}/{st}/{v}/{n}" for t, m, st, v in engines for n in names]
 
 

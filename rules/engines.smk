@@ -137,6 +137,8 @@ rule gemm:
         "../scripts/gemm.py"
 
 
+# One job per repeat (quality.json, quality-r2.json, ...: `evaluation.repeats`), each opening the engine
+# and measuring it again, so that a metric's spread across jobs of one engine is measured.
 rule evaluate:
     input:
         unpack(evaluation_samples),
@@ -146,7 +148,7 @@ rule evaluate:
         reference=lambda w: f"{reference_prefix(w)}.json",
         reference_tensors=lambda w: f"{reference_prefix(w)}.safetensors",
     output:
-        quality=f"{VARIANT_DIR}/quality.json",
+        quality=f"{VARIANT_DIR}/quality{{repeat}}.json",
     params:
         ident=variant_ident,
         family=lambda w: study(w).family,
@@ -157,10 +159,11 @@ rule evaluate:
         seeds=lambda w: study(w).raw["seeds"],
         samples=lambda w: list(evaluation_samples(w)),
         against=quality_against,
+        repeat=repeat_index,
     log:
-        f"logs/{VARIANT_KEY}/evaluate.log",
+        f"logs/{VARIANT_KEY}/evaluate{{repeat}}.log",
     benchmark:
-        f"benchmarks/{VARIANT_KEY}/evaluate.tsv"
+        f"benchmarks/{VARIANT_KEY}/evaluate{{repeat}}.tsv"
     conda:
         target_env
     script:

@@ -125,3 +125,60 @@ def test_render_shows_the_spread_across_jobs_only_where_it_was_measured():
     # No row within its noise: the sentence says so instead.
     apart = render.render_section(_with_repeats(tables, {("deberta-v3-base", "w512"): 1.0}))
     assert "Within that noise" not in apart and "On every row x differs from 1 by more than its range across jobs." in apart
+
+
+# --- evaluation repeats: one engine evaluated in N separate jobs --------------------------------
+
+def _evaluation(repeat: int, ap: float | None, nonfinite: int = 0, status: str = "ok") -> dict:
+    path = "results/s/cpu-torch/m/w8/fp8/" + ("quality.json" if repeat == 1 else f"quality-r{repeat}.json")
+    ident = {"target": "cpu-torch", "model": "m", "setting": "w8", "variant": "fp8", "status": status, "source": path}
+    if status != "ok":
+        return ident | {"error": "RuntimeError: out of memory"}
+    return ident | {"evaluation_repeat": repeat, "heldout.ap": ap, "heldout.evaluator": "faster_coco_eval",
+                    "nonfinite": nonfinite}
+
+
+def test_across_evaluations_by_hand():
+    """Three jobs of one engine, in the order the files come (repeats 3, 1, 2), AP 0.461, 0.464, 0.4625:
+    the row holds the first job's values (0.464) and AP's range 0.461 to 0.464 across the jobs; a text
+    column gets no range; a metric one job left empty (None) gets none either."""
+    rows = aggregate.across_evaluations([_evaluation(3, 0.461), _evaluation(1, 0.464, nonfinite=2),
+                                         _evaluation(2, 0.4625)])
+    [row] = rows
+    assert row["heldout.ap"] == 0.464 and row["nonfinite"] == 2 and "evaluation_repeat" not in row
+    assert (row["heldout.ap.jobs_min"], row["heldout.ap.jobs_max"]) == (0.461, 0.464)
+    assert (row["nonfinite.jobs_min"], row["nonfinite.jobs_max"]) == (0, 2)
+    assert row["evaluations"] == 3 and row["quality_sources"][0].endswith("/quality.json")
+    assert "heldout.evaluator.jobs_min" not in row
+    [row] = aggregate.across_evaluations([_evaluation(1, 0.464), _evaluation(2, None)])
+    assert "heldout.ap.jobs_min" not in row
+
+
+def test_one_evaluation_job_measures_no_spread_and_a_failed_job_is_the_row():
+    [row] = aggregate.across_evaluations([_evaluation(1, 0.464)])
+    assert row["evaluations"] == 1 and "heldout.ap.jobs_min" not in row
+    rows = aggregate.across_evaluations([_evaluation(1, 0.464), _evaluation(2, None, status="failed")])
+    assert [r["status"] for r in rows] == ["failed"] and rows[0]["source"].endswith("quality-r2.json")
+
+
+def test_evaluation_repeats_plan_one_evaluate_job_each(tmp_path):
+    """`evaluation: {repeats: 2}` on the workflow tests' study: every engine it evaluates gets
+    quality.json and quality-r2.json, and aggregate reads both; one job is the default."""
+    import subprocess
+    import sys
+
+    assert qc.load_run(yaml.safe_load(TEST_CONFIG.read_text()), against_code=False).studies["fnet"].evaluation_repeats == 1
+    run = yaml.safe_load(TEST_CONFIG.read_text())
+    extra = tmp_path / "two-evaluations.yaml"
+    extra.write_text("evaluation: {repeats: 2}\n")
+    fnet = run["studies"]["fnet"]
+    run["studies"]["fnet"] = {**fnet, "overrides": [*fnet["overrides"], str(extra)]}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(run))
+    # The target before --configfile, which takes every word after it as a file.
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "results/fnet/tables.json", "-n", "--forceall", "--cores", "1",
+                           "--nolock", "--configfile", str(tmp_path / "config.yaml")], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    planned = set(__import__("re").findall(r"output: (results/fnet/\S+/quality(?:-r\d+)?\.json)", proc.stdout))
+    firsts = {p for p in planned if p.endswith("/quality.json")}
+    assert firsts and {p.replace("/quality.json", "/quality-r2.json") for p in firsts} == planned - firsts

@@ -101,8 +101,9 @@ def candidates(study_dir: Path) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {"evaluate": [], "time": []}
     for table, rule in (("quality", "evaluate"), ("speed", "time")):
         for row in tables[table]:
-            # a speed row of several timing jobs (repeats) names each in `timing_sources`
-            for source in (row.get("timing_sources") or [row.get("source")]) if row.get("status") == "ok" else []:
+            # a row of several jobs (repeats) names each in `timing_sources` / `quality_sources`
+            sources = row.get("timing_sources") or row.get("quality_sources") or [row.get("source")]
+            for source in sources if row.get("status") == "ok" else []:
                 if source and source not in found[rule]:
                     found[rule].append(source)
     return found

@@ -182,3 +182,18 @@ def test_evaluation_repeats_plan_one_evaluate_job_each(tmp_path):
     planned = set(__import__("re").findall(r"output: (results/fnet/\S+/quality(?:-r\d+)?\.json)", proc.stdout))
     firsts = {p for p in planned if p.endswith("/quality.json")}
     assert firsts and {p.replace("/quality.json", "/quality-r2.json") for p in firsts} == planned - firsts
+
+
+def test_reproduce_samples_every_evaluation_job_of_an_engine(tmp_path):
+    """reproduce's candidates: a quality row of two evaluation jobs offers both files, as a speed row
+    of two timing jobs offers both."""
+    from quantstudy import reproduce
+
+    doc = artifacts.read_json(EVIDENCE, "tables")
+    doc.pop("content_sha256", None)
+    row = next(r for r in doc["quality"] if r["status"] == "ok")
+    second = row["source"].replace("/quality.json", "/quality-r2.json")
+    row["quality_sources"] = [row["source"], second]
+    artifacts.write_json(tmp_path / "tables.json", "tables", doc)
+    found = reproduce.candidates(tmp_path)["evaluate"]
+    assert row["source"] in found and second in found

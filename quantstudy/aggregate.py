@@ -104,6 +104,20 @@ def _speed(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
                "baseline_ms": g["baseline_ms"]["median_ms"], "x": g["x"], "x_min": g["x_min"], "x_max": g["x_max"]}
 
 
+def _per_engine(jobs: list[dict[str, Any]], combine: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
+                ) -> list[dict[str, Any]]:
+    """The rows of an engine's jobs (by target, model, setting and variant; its repeats) made into its
+    table rows by `combine`. A failed or damaged job makes the engine's rows that failure, so a
+    decision never rests on the jobs that happened to succeed."""
+    by_engine: dict[tuple, list[dict[str, Any]]] = {}
+    for row in jobs:
+        by_engine.setdefault(tuple(row.get(k) for k in IDENT[:4]), []).append(row)
+    rows = []
+    for engine_rows in by_engine.values():
+        rows += [r for r in engine_rows if r.get("status") != "ok"] or combine(engine_rows)
+    return rows
+
+
 def across_repeats(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One speed row per variant and graph from the rows of its timing jobs (`timing.repeats`).
 
@@ -111,22 +125,14 @@ def across_repeats(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     the jobs' medians; x_min / x_max the range over every job's paired rounds. Across the jobs:
     x_by_repeat (in repeat order), x_jobs_min / x_jobs_max and x_jobs_spread = (max - min) / median
     of their x, measured only where two or more jobs timed the variant (else None); `source` is the
-    first job's file, `timing_sources` every job's. A failed or
-    damaged job makes the variant's row that failure, so a decision never rests on the jobs that
-    happened to succeed.
+    first job's file, `timing_sources` every job's. A failed or damaged job makes the variant's row
+    that failure (_per_engine).
     """
-    by_variant: dict[tuple, list[dict[str, Any]]] = {}
-    for row in jobs:
-        by_variant.setdefault(tuple(row.get(k) for k in IDENT[:4]), []).append(row)
-    rows = []
-    for variant_rows in by_variant.values():
-        failed = [r for r in variant_rows if r.get("status") != "ok"]
-        if failed:
-            rows += failed
-            continue
+    def combine(variant_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by_graph: dict[str, list[dict[str, Any]]] = {}
         for row in sorted(variant_rows, key=lambda r: r["repeat"]):
             by_graph.setdefault(row["graph"], []).append(row)
+        rows = []
         for graph_rows in by_graph.values():
             xs = [r["x"] for r in graph_rows]
             measured = [x for x in xs if not _missing(x)]
@@ -143,7 +149,9 @@ def across_repeats(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                          "x_jobs_max": max(measured) if several else None,
                          "x_jobs_spread": (max(measured) - min(measured)) / median if several and median else None,
                          "timing_sources": [r["source"] for r in graph_rows]})
-    return rows
+        return rows
+
+    return _per_engine(jobs, combine)
 
 
 def _quality(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
@@ -164,17 +172,9 @@ def across_evaluations(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     The values are the first job's; `evaluations` counts the jobs and `quality_sources` lists their
     files. Where two or more jobs measured it, each metric's range across them: `<metric>.jobs_min` and
     `<metric>.jobs_max` (a metric a job left non-finite or empty has none). A failed or damaged job
-    makes the engine's row that failure, as a timing job does (across_repeats).
+    makes the engine's row that failure (_per_engine).
     """
-    by_engine: dict[tuple, list[dict[str, Any]]] = {}
-    for row in jobs:
-        by_engine.setdefault(tuple(row.get(k) for k in IDENT[:4]), []).append(row)
-    rows = []
-    for engine_rows in by_engine.values():
-        failed = [r for r in engine_rows if r.get("status") != "ok"]
-        if failed:
-            rows += failed
-            continue
+    def combine(engine_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ordered = sorted(engine_rows, key=lambda r: r["evaluation_repeat"])
         row = {k: v for k, v in ordered[0].items() if k != "evaluation_repeat"}
         row |= {"evaluations": len(ordered), "quality_sources": [r["source"] for r in ordered]}
@@ -183,8 +183,9 @@ def across_evaluations(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 values = [r.get(column) for r in ordered]
                 if _number(value) and all(_number(v) for v in values):
                     row[f"{column}.jobs_min"], row[f"{column}.jobs_max"] = min(values), max(values)
-        rows.append(row)
-    return rows
+        return [row]
+
+    return _per_engine(jobs, combine)
 
 
 def _build(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:

@@ -391,12 +391,12 @@ class DeformableDetr:
         if box_format not in qm.BOX_FORMATS:
             raise ValueError(f"deformable_detr: the dataset's box_format is {box_format!r}; declare it in the study's "
                              f"datasets: entry, one of {', '.join(qm.BOX_FORMATS)} (AP depends on it)")
-        names = _feature_names(rows.features["objects"])
         picked = base.seeded_rows(len(rows), spec)
         rows = rows.cast_column("image", Image(decode=False))  # the bytes as stored: the content hash
+        names = {f: _file_names(f) for f in set(rows.select(picked)["__url__"])}  # as every job reads them
         samples = []
         for row in (rows[i] for i in picked):
-            truth = _truth(row, names)
+            truth = _truth(row, names[row["__url__"]])
             for box in (o["bbox"] for o in truth["objects"]):
                 problem = qm.box_problems(box, truth["width"], truth["height"], box_format)
                 if problem:
@@ -459,13 +459,14 @@ class DeformableDetr:
             out = model(pixel_values=x["pixel_values"].to(device, dtype))
             return {"logits": out.logits, "pred_boxes": out.pred_boxes}
 
-        labels = _category_map(checkpoint, samples)
+        labels, processor = _category_map(checkpoint, samples), self.processor(checkpoint)
         tensors, blocks = {}, {}
         for name, rows in samples.items():
-            logits, boxes = detector_outputs(forward, self.processor(checkpoint), rows, setting, name)
+            images, truth = checked_samples(rows)
+            logits, boxes = detector_outputs(forward, processor, images, setting, name)
             log.info("reference on %s: %d images", name, len(rows))
             tensors[f"{name}_logits"], tensors[f"{name}_boxes"] = logits, boxes
-            blocks[name] = box_ap(logits, boxes, rows, labels)
+            blocks[name] = box_ap(_detections(logits, boxes, truth, labels), rows, truth, labels)
         return tensors, blocks
 
     def evaluate(self, checkpoint: str | Path, run: base.Run, reference: dict[str, torch.Tensor],
@@ -484,20 +485,23 @@ class DeformableDetr:
         labels, processor = _category_map(checkpoint, samples), self.processor(checkpoint)
         blocks, nonfinite = {}, {}
         for name, rows in samples.items():
-            logits, boxes = detector_outputs(run, processor, rows, setting, name)
-            mine = box_ap(logits, boxes, rows, labels)
-            ref_logits, ref_boxes = reference[f"{name}_logits"], reference[f"{name}_boxes"]
-            ref = box_ap(ref_logits, ref_boxes, rows, labels)
-            blocks[name] = {**mine, "reference_ap": ref["ap"], "ap_drop": ref["ap"] - mine["ap"],
-                            **agreement(ref_logits, ref_boxes, logits, boxes, rows, labels, metrics)}
+            images, truth = checked_samples(rows)  # read and checked once, for every detector below
+            logits, boxes = detector_outputs(run, processor, images, setting, name)
+            mine = _detections(logits, boxes, truth, labels)
+            ap = box_ap(mine, rows, truth, labels)
+            ref_logits = reference[f"{name}_logits"]
+            ref = _detections(ref_logits, reference[f"{name}_boxes"], truth, labels)
+            ref_ap = box_ap(ref, rows, truth, labels)["ap"]
+            blocks[name] = {**ap, "reference_ap": ref_ap, "ap_drop": ref_ap - ap["ap"],
+                            **agreement(ref_logits, ref, logits, mine, metrics)}
             bad = ~(torch.isfinite(logits).flatten(1).all(1) & torch.isfinite(boxes).flatten(1).all(1))
             nonfinite[name] = {"bad": int(bad.sum()), "of": len(rows)}
             for other_name, other in (against or {}).items():
-                their_logits, their_boxes = detector_outputs(other, processor, rows, setting, f"{name} on {other_name}")
-                theirs = box_ap(their_logits, their_boxes, rows, labels)
-                blocks[f"{name}_vs_{other_name}"] = {
-                    "ap": theirs["ap"], "ap_drop": theirs["ap"] - mine["ap"],
-                    **agreement(their_logits, their_boxes, logits, boxes, rows, labels, metrics)}
+                their_logits, their_boxes = detector_outputs(other, processor, images, setting, f"{name} on {other_name}")
+                theirs = _detections(their_logits, their_boxes, truth, labels)
+                their_ap = box_ap(theirs, rows, truth, labels)["ap"]
+                blocks[f"{name}_vs_{other_name}"] = {"ap": their_ap, "ap_drop": their_ap - ap["ap"],
+                                                     **agreement(their_logits, theirs, logits, mine, metrics)}
         return base.Evaluation(blocks, nonfinite)
 
     @staticmethod
@@ -540,13 +544,6 @@ def _image_bytes(samples: list[dict[str, Any]]) -> list[bytes]:
         if s["file"] not in columns:
             columns[s["file"]] = pq.read_table(s["file"], columns=["image"]).column("image")
     return [columns[s["file"]][s["row"]].as_py()["bytes"] for s in samples]
-
-
-def _feature_names(objects: Any) -> list[str]:
-    """The category names of a dataset's `objects` feature: a dict of lists (datasets 4+) or, as older
-    uploads hold it, a Sequence of a dict."""
-    category = (objects.feature if hasattr(objects, "feature") else objects)["category"]
-    return list(getattr(category, "feature", category).names)
 
 
 def _file_names(path: str) -> list[str]:
@@ -593,13 +590,27 @@ def _file_truth(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def load_truth(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The samples' ground truth, boxes in COCO's [x, y, width, height] (read from their files; their
-    images and truth are checked against the samples' sha256 by load_images)."""
+def checked_samples(samples: list[dict[str, Any]]) -> tuple[list[bytes], list[dict[str, Any]]]:
+    """Each sample's image bytes as stored and its ground truth, boxes in COCO's [x, y, width, height],
+    both read from its file and checked together against the sample's sha256."""
     from quantstudy import metrics as qm
 
-    return [{**t, "objects": [{**o, "bbox": qm.to_xywh(o["bbox"], s["box_format"])} for o in t["objects"]]}
-            for s, t in zip(samples, _file_truth(samples))]
+    images, truths = [], []
+    for s, data, truth in zip(samples, _image_bytes(samples), _file_truth(samples)):
+        if _sample_sha(data, truth) != s["sha256"]:
+            raise ValueError(f"deformable_detr: image {s['id']} and its boxes (row {s['row']} of {s['file']}) do not "
+                             f"have the sample's sha256 {s['sha256']}: the snapshot is not the one the samples were "
+                             "drawn from")
+        images.append(data)
+        truths.append({**truth, "objects": [{**o, "bbox": qm.to_xywh(o["bbox"], s["box_format"])}
+                                            for o in truth["objects"]]})
+    return images, truths
+
+
+def _decoded(images: list[bytes]) -> list:
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
 
 
 def pixel_values(processor: Any, images: list, setting: base.Setting) -> torch.Tensor:
@@ -610,15 +621,16 @@ def pixel_values(processor: Any, images: list, setting: base.Setting) -> torch.T
                      return_tensors="pt")["pixel_values"]
 
 
-def detector_outputs(run: base.Run, processor: Any, samples: list[dict[str, Any]], setting: base.Setting,
+def detector_outputs(run: base.Run, processor: Any, images: list[bytes], setting: base.Setting,
                      what: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [images, queries, labels] and boxes [images, queries, 4] (float32, CPU) of `run` (an
-    engine, or the reference as one) on the samples' images, EVAL_CHUNK images decoded at a time."""
+    engine, or the reference as one) on the images (their bytes: checked_samples), EVAL_CHUNK of them
+    decoded at a time."""
     logits, boxes = [], []
-    for i in range(0, len(samples), EVAL_CHUNK):
-        x = pixel_values(processor, load_images(samples[i:i + EVAL_CHUNK]), setting)
+    for i in range(0, len(images), EVAL_CHUNK):
+        x = pixel_values(processor, _decoded(images[i:i + EVAL_CHUNK]), setting)
         with torch.no_grad():
-            out = run({"pixel_values": x}, f"{what} {i + len(x)}/{len(samples)}")
+            out = run({"pixel_values": x}, f"{what} {i + len(x)}/{len(images)}")
         logits.append(out["logits"].float().cpu())
         boxes.append(out["pred_boxes"].float().cpu())
     return torch.cat(logits), torch.cat(boxes)
@@ -639,57 +651,46 @@ def _file_names_of(samples: list[dict[str, Any]]) -> list[str]:
     return [n for f in sorted({s["file"] for s in samples}) for n in _file_names(f)]
 
 
-def _detections(logits: torch.Tensor, boxes: torch.Tensor, samples: list[dict[str, Any]],
+def _detections(logits: torch.Tensor, boxes: torch.Tensor, truth: list[dict[str, Any]],
                 labels: dict[str, int]) -> list[list[dict[str, Any]]]:
-    """Each image's top_detections over the dataset's categories, in pixels of the original image."""
+    """Each image's top_detections over the dataset's categories, in pixels of the original image
+    (its size from its ground truth)."""
     from quantstudy import metrics as qm
 
     keep = set(labels.values())
     return [qm.top_detections(lg, bx, t["width"], t["height"], keep)
-            for lg, bx, t in zip(logits, boxes, load_truth(samples), strict=True)]
+            for lg, bx, t in zip(logits, boxes, truth, strict=True)]
 
 
-def box_ap(logits: torch.Tensor, boxes: torch.Tensor, samples: list[dict[str, Any]],
+def box_ap(detections: list[list[dict[str, Any]]], samples: list[dict[str, Any]], truth: list[dict[str, Any]],
            labels: dict[str, int]) -> dict[str, Any]:
-    """COCO box AP (metrics.coco_box_ap, faster-coco-eval) of a detector's outputs on the samples'
-    images against their ground truth, categories mapped to the detector's label ids by name."""
+    """COCO box AP (metrics.coco_box_ap, faster-coco-eval) of a detector's detections (_detections) on
+    the samples' images against their ground truth (checked_samples), categories mapped to the
+    detector's label ids by name."""
     from quantstudy import metrics as qm
 
-    truth = load_truth(samples)
     images = [{"id": s["id"], "width": t["width"], "height": t["height"]} for s, t in zip(samples, truth)]
     annotations = [{"image_id": s["id"], "category_id": labels[o["category"]], "bbox": o["bbox"],
                     "area": o["bbox"][2] * o["bbox"][3], "iscrowd": 0} for s, t in zip(samples, truth) for o in t["objects"]]
-    detections = [{**d, "image_id": s["id"]} for s, ds in zip(samples, _detections(logits, boxes, samples, labels))
-                  for d in ds]
+    found = [{**d, "image_id": s["id"]} for s, ds in zip(samples, detections) for d in ds]
     categories = [{"id": i, "name": n} for n, i in sorted(labels.items(), key=lambda kv: kv[1])]
-    return qm.coco_box_ap(images, annotations, detections, categories)
+    return qm.coco_box_ap(images, annotations, found, categories)
 
 
-def agreement(ref_logits: torch.Tensor, ref_boxes: torch.Tensor, logits: torch.Tensor, boxes: torch.Tensor,
-              samples: list[dict[str, Any]], labels: dict[str, int], metrics: dict[str, Any]) -> dict[str, Any]:
+def agreement(ref_logits: torch.Tensor, ref_detections: list[list[dict[str, Any]]], logits: torch.Tensor,
+              detections: list[list[dict[str, Any]]], metrics: dict[str, Any]) -> dict[str, Any]:
     """An engine's logit correlation with another detector, and the precision and recall of its
     detections against the other's (metrics.detection_agreement)."""
     from quantstudy import metrics as qm
 
-    matched = qm.detection_agreement(_detections(ref_logits, ref_boxes, samples, labels),
-                                     _detections(logits, boxes, samples, labels),
-                                     metrics["score_threshold"], metrics["match_iou"])
+    matched = qm.detection_agreement(ref_detections, detections, metrics["score_threshold"], metrics["match_iou"])
     return {"logit_correlation": qm.logit_correlation(ref_logits, logits), **matched}
 
 
 def load_images(samples: list[dict[str, Any]]) -> list:
     """The samples' images (RGB PIL), read from their files and checked with their ground truth against
-    their sha256."""
-    from PIL import Image
-
-    images = []
-    for s, data, truth in zip(samples, _image_bytes(samples), _file_truth(samples)):
-        if _sample_sha(data, truth) != s["sha256"]:
-            raise ValueError(f"deformable_detr: image {s['id']} and its boxes (row {s['row']} of {s['file']}) do not "
-                             f"have the sample's sha256 {s['sha256']}: the snapshot is not the one the samples were "
-                             "drawn from")
-        images.append(Image.open(io.BytesIO(data)).convert("RGB"))
-    return images
+    their sha256 (checked_samples)."""
+    return _decoded(checked_samples(samples)[0])
 
 
 def transformers_backbone(timm_config: Any) -> dict[str, Any]:

@@ -64,6 +64,11 @@ def _deterministic() -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: references and the fp32 DFT
     torch.backends.cudnn.allow_tf32 = False
+    # Only cuDNN engines that cuDNN marks deterministic: every job that opens one build must
+    # get one answer (the audit's probes). Without it, 2 of 4 processes that opened one compiled tiny
+    # Deformable DETR engine (fp32) on an H200 got other bits; its convolutions are the only cuDNN work
+    # (results/h200-deformable-detr/README.md; benchmarks/compile_determinism.py measures both ways).
+    torch.backends.cudnn.deterministic = True
     torch.manual_seed(0)
     if not torch.cuda.is_available():
         # One intra-op thread on a CPU-only host: jobs run side by side on few cores, and a reduction

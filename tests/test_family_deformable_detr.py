@@ -13,6 +13,7 @@ import torch
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from quantstudy import config, export, families, quantization
 from quantstudy.families import base
@@ -149,6 +150,27 @@ def test_engine_equals_transformers_reference(fam, checkpoint):
         for name in OUTPUTS:
             # Float32 rounding: the same ops on the same values (measured: bit-equal).
             torch.testing.assert_close(got[name], getattr(want, name), rtol=1e-5, atol=1e-6)
+
+
+class _HostData(TorchDispatchMode):
+    """Records every tensor made from host data (aten.lift_fresh: torch.tensor, as_tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.made += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_engine_forward_makes_no_tensor_from_host_data(fam, checkpoint):
+    """On a GPU such a tensor is a host-to-device copy, which CUDA graph capture refuses (the H200
+    run's eager engine failed so): the engine makes every tensor it needs on the device."""
+    engine = fam.module(checkpoint, "main", SETTINGS[0])
+    with torch.no_grad(), _HostData() as host:
+        engine(pixel_values=torch.zeros(1, 3, 96, 128))
+    assert host.made == 0
 
 
 def _png(pixels: np.ndarray) -> bytes:

@@ -72,6 +72,23 @@ def test_a_failed_gpt_neo_variant_shows_its_error_text_in_the_variants_table():
     assert "failed" not in measured[0] and "62.0" in measured[0]
 
 
+def test_detr_counts_render_as_counts_beside_failed_rows():
+    """The committed Deformable DETR H200 evidence, whose eager target's variants all failed: a column
+    with a failed row holds floats in tables.json, and the per-part table still prints the measured
+    rows' job and image counts as counts, and each failed row's error."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-deformable-detr/deformable_detr/results/deformable_detr/tables.json",
+                                 "tables")
+    lines = render.render_section(tables).splitlines()
+    fp16 = [line for line in lines if line.startswith("| h200-torch | deformable-detr, 800 x 800 | `fp16` |")]
+    assert len(fp16) == 1 and "(2 jobs)" in fp16[0] and fp16[0].endswith("| 0 / 64 |")
+    eager = [line for line in lines if line.startswith("| h200-eager | deformable-detr, 800 x 800 | `fp8-add-heads` |")]
+    assert len(eager) == 1 and "failed: RuntimeError: Cannot copy between CPU and CUDA tensors" in eager[0]
+
+
 def test_a_condition_on_a_setting_names_it_with_this_runs_values():
     """A decision condition limited to a setting shows that setting's own values (the tiny run's w256 is a
     64-token window), never a typed label; a condition on no setting shows its name alone."""

@@ -150,10 +150,12 @@ class TorchBackend:
         fp8 = ("real FP8 GEMMs: torch._scaled_mm with static per-tensor scales (a layer whose K or N is not a "
                "multiple of 16 stays fake-quant)" if fp8_gemm_supported(target.device) else
                "fake-quant: float8_e4m3fn round trip of weights and activations, GEMM in the work precision")
+        cuda = torch.device(target.device).type == "cuda"
         return {"device": target.device, "torch_compile": bool(target.compile),
                 "compiled_program": (f"{COMPILED_FILE}: inductor cache artifacts made by the build at the engine's "
                                      f"shapes, loaded by every job that opens it" if target.compile else "none"),
-                "cuda_graph": torch.device(target.device).type == "cuda", "fp8_path": fp8}
+                "cuda_graph": cuda, "fp8_path": fp8,
+                **({"cudnn_deterministic": bool(torch.backends.cudnn.deterministic)} if cuda else {})}
 
     def build(self, model: nn.Module, out_dir: str | Path, target, shapes: Shapes) -> dict[str, Any]:
         """Save the weights; on a compiling target, compile the engine as `open` will run it, at every

@@ -211,7 +211,9 @@ def encoder_geometry(shapes: list[tuple[Any, Any]], batch: int, device: Any, dty
         xs = (torch.arange(w, device=device, dtype=dtype) + 0.5) / w
         grids.append(torch.stack([xs[None, :].expand(h, w), ys[:, None].expand(h, w)], -1).reshape(1, h * w, 2))
     points = torch.cat(grids, 1)[:, :, None].expand(batch, -1, len(shapes), 2)
-    spatial_shapes = torch.tensor(shapes, dtype=torch.long, device=device)
+    # Filled on the device, not copied from host memory: a CUDA graph cannot capture that copy.
+    spatial_shapes = torch.stack([torch.stack([torch.full((), size, dtype=torch.long, device=device) for size in hw])
+                                  for hw in shapes])
     level_start = torch.cat((spatial_shapes.new_zeros((1,)), spatial_shapes.prod(1).cumsum(0)[:-1]))
     return points, spatial_shapes, level_start
 

@@ -474,7 +474,27 @@ def compare_published(published: dict[str, Any], tables: dict[str, list[dict[str
 
 def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[str, str], run: dict[str, Any],
               targets: dict[str, dict[str, Any]], out: str) -> None:
+    """tables.json: the tables of the input files, with every argument they were made from in its
+    provenance (the audit makes them again from those files and compares, audit.rederived_problems)."""
     started = now()
+    params = {"study": study, "baselines": baselines, "run": run, "targets": targets}
+    write_json(out, "tables", {**tables(inputs, **params), "provenance": provenance(
+        "aggregate", {f"{k}[{i}]": p for k, v in inputs.items() for i, p in enumerate(v)}, params, started)})
+
+
+def inputs_of(tables_doc: dict[str, Any]) -> dict[str, list[str]]:
+    """The `inputs` aggregate was given, from tables.json's provenance ({"timings[0]": ...} back to lists)."""
+    inputs: dict[str, list[str]] = {}
+    named = tables_doc["provenance"]["inputs"]
+    for name in sorted(named, key=lambda n: (n.split("[")[0], int(n.split("[")[1].rstrip("]")))):
+        inputs.setdefault(name.split("[")[0], []).append(named[name]["path"])
+    return inputs
+
+
+def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[str, str], run: dict[str, Any],
+           targets: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The study's tables from its input files (by kind: timings, qualities, builds, ...): tables.json
+    without its provenance."""
     damaged: list[dict[str, str]] = []  # inputs that could not be read: rendered, never a bare decoder error
     speed = pd.DataFrame(across_repeats(_records(_rows(inputs["timings"], "timing", _speed, damaged))))
     quality = pd.DataFrame(across_evaluations(_records(_rows(inputs["qualities"], "quality", _quality, damaged))))
@@ -526,7 +546,7 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
     published_rows = [] if published is None else compare_published(
         published, {"speed": _records(speed), "quality": _records(quality), "builds": _records(builds),
                     "kernels": _records(kernels), "references": references}, run["weights"], targets)
-    write_json(out, "tables", {
+    return {
         "study": study["study"], "title": study["title"], "family": study["family"],
         "description": study.get("description", ""), "run": run, "targets": targets, "baselines": baselines,
         "kernel_groups": next((d["groups"] for d in kernel_docs if d["status"] == "ok"), []),
@@ -544,6 +564,4 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
         "decision": decide(study, {"speed": speed, "quality": quality}), "damaged": damaged,
         "published": published_rows,
         "published_from": None if published is None else {k: published[k] for k in ("file", "seed", "weights", "runs",
-                                                                                      "tolerances")},
-        "provenance": provenance("aggregate", {f"{k}[{i}]": p for k, v in inputs.items() for i, p in enumerate(v)},
-                                 {"study": study["study"], "run": run}, started)})
+                                                                                      "tolerances")}}

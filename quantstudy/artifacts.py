@@ -177,9 +177,25 @@ def write_json(path: str | Path, kind: str, doc: dict[str, Any]) -> None:
     """Validate `doc` against the schema of `kind` and write it atomically (temp file, then rename)."""
     doc = {"schema": kind, "schema_version": SCHEMA_VERSION, **doc}
     jsonschema.validate(doc, load_schema(kind))
-    doc = json.loads(json.dumps(doc, allow_nan=False, default=_jsonable))  # plain JSON values, as a reader sees them
+    doc = plain(doc)
     doc[DIGEST] = content_digest(doc)
     atomic_write(path, json.dumps(doc, indent=1, sort_keys=False, allow_nan=False) + "\n")
+
+
+def plain(doc: Any) -> Any:
+    """A document in plain JSON values, as write_json stores it and a reader sees it."""
+    return json.loads(json.dumps(doc, allow_nan=False, default=_jsonable))
+
+
+def leaves(doc: Any, prefix: str = "", skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """{dotted path: value} of every scalar in a JSON document, keys in `skip` left out at any depth."""
+    if isinstance(doc, dict):
+        return {k: v for key, value in doc.items() if key not in skip
+                for k, v in leaves(value, f"{prefix}{key}.", skip).items()} or {prefix.rstrip("."): {}}
+    if isinstance(doc, list):
+        return {k: v for i, value in enumerate(doc) for k, v in leaves(value, f"{prefix}{i}.", skip).items()} or \
+            {prefix.rstrip("."): []}
+    return {prefix.rstrip("."): doc}
 
 
 def content_digest(doc: dict[str, Any]) -> str:

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, sha256_file, sha256_path, write_json
+from quantstudy import artifacts
+from quantstudy.artifacts import DIGEST, DamagedArtifact, now, provenance, read_json, sha256_file, sha256_path, write_json
 
 log = logging.getLogger("quantstudy")
 
@@ -128,6 +129,37 @@ def one_engine_problems(build: str, timings: list[tuple[str, dict]], evaluations
     return problems
 
 
+def timing_problems(path: str, doc: dict[str, Any]) -> list[str]:
+    """A timing file's ms and x made again from its round samples (timing.summarize, timing.speedup):
+    every recorded value that is not what its own samples give."""
+    from quantstudy import timing
+
+    problems = []
+    for g, graph in (doc.get("graphs") or {}).items():
+        base, var = graph["baseline_ms"]["samples_ms"], graph["variant_ms"]["samples_ms"]
+        again = {"variant_ms": timing.summarize(var), "baseline_ms": timing.summarize(base), **timing.speedup(base, var)}
+        for key, value in again.items():
+            if graph.get(key) != value:
+                problems.append(f"{path}: graph {g}'s {key} is {graph.get(key)!r}, but its round samples give {value!r}")
+    return problems
+
+
+def rederived_problems(tables_json: str | Path) -> list[str]:
+    """tables.json made again from the files and arguments its provenance names (aggregate.tables):
+    every table cell, decision and range that is not what those files give, by its place in the file."""
+    from quantstudy import aggregate
+
+    doc = read_json(tables_json, "tables")
+    if not isinstance(doc["provenance"]["params"].get("study"), dict):
+        return [f"{tables_json} does not record the arguments it was made with (an older aggregate): rerun it: "
+                f"snakemake --forcerun aggregate {tables_json}"]
+    again = artifacts.plain(aggregate.tables(aggregate.inputs_of(doc), **doc["provenance"]["params"]))
+    recorded = {k: v for k, v in doc.items() if k not in ("schema", "schema_version", DIGEST, "provenance")}
+    a, b = artifacts.leaves(recorded), artifacts.leaves(again)
+    return [f"{tables_json}: {key} is {a.get(key)!r}, but its input files give {b.get(key)!r}"
+            for key in sorted(set(a) | set(b), key=str) if a.get(key) != b.get(key)]
+
+
 def check_chain(tables_json: str | Path) -> dict[str, Any]:
     """The whole chain behind tables.json (walk): every missing, changed or damaged file, and TEST01:
     the engine that was timed is the one that was evaluated, and it gave both jobs of a setting the same probe."""
@@ -151,6 +183,11 @@ def check_chain(tables_json: str | Path) -> dict[str, Any]:
                 doc["provenance"]["rule"], []).append((s["path"], doc))
     for build, jobs in measured.items():
         problems += one_engine_problems(build, jobs.get("time", []), jobs.get("evaluate", []))
+    # Derived numbers, made again: x and ms from the round samples, the tables from their files.
+    for path, doc in dict((s["path"], s["doc"]) for s in steps if (s.get("doc") or {}).get("schema") == "timing").items():
+        problems += timing_problems(path, doc)
+    if not problems:  # aggregate reads every input: with one damaged, the chain's problems say which
+        problems += rederived_problems(tables_json)
     return {"files_checked": len({s["path"] for s in steps}), "problems": problems}
 
 

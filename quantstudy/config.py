@@ -129,6 +129,11 @@ class Study:
         return self.raw["timing"]["repeats"]
 
     @property
+    def reproduce_tolerance(self) -> dict[str, float]:
+        """How far a re-executed timing job may come from its record: {"x": relative, "ms": relative}."""
+        return self.raw["timing"]["reproduce"]
+
+    @property
     def evaluation_repeats(self) -> int:
         """Separate evaluation jobs per engine (`evaluation.repeats`)."""
         return self.raw["evaluation"]["repeats"]
@@ -298,6 +303,11 @@ def _path(p: str | Path) -> Path:
     return p if p.is_absolute() else ROOT / p
 
 
+# How far a re-executed timing job may come from its record, relative (`timing.reproduce`): x is a
+# ratio of paired rounds and moves less between jobs than a median time does.
+REPRODUCE_TOLERANCE = {"x": 0.05, "ms": 0.10}
+
+
 def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, against_code: bool = True,
                timing_repeats: int | None = None) -> Study:
     """A study spec with its override files deep-merged over it in order, validated; `timing_repeats`
@@ -312,6 +322,7 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
     _validate(doc, "study.schema.yaml", where)
     # One timing job and one evaluation job per engine unless asked; int: the schema's integer also admits 2.0.
     doc["timing"]["repeats"] = int(doc["timing"].get("repeats", 1))
+    doc["timing"]["reproduce"] = {**REPRODUCE_TOLERANCE, **doc["timing"].get("reproduce", {})}
     doc["evaluation"] = {"repeats": int((doc.get("evaluation") or {}).get("repeats", 1))}
     study = _build_study(_locked(doc, where), where, against_code)
     if study.published:

@@ -20,37 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from quantstudy import devtools
-from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, write_json
+from quantstudy.artifacts import DamagedArtifact, leaves, now, provenance, read_json, write_json
 
 # How close a re-executed job's numbers must come to the recorded ones.
 # - evaluate: every number of quality.json (metric blocks, non-finite counts, probe). The same
 #   engine on the same inputs on one CPU thread sums in one order: bit for bit (0). A GPU may pick
 #   another GEMM algorithm or reduction order between processes: relative 1e-5.
-# - time: x of each graph, within the measured spread: the larger of the two jobs' ranges of x over
-#   their paired rounds.
+# - time: x and the median ms of each graph, within the study's `timing.reproduce` share of the
+#   re-executed job's value, or that job's round-to-round range where wider (compare_timing).
 QUALITY_TOLERANCE = {"cpu": 0.0, "cuda": 1e-5}
-SKIP_KEYS = {"provenance", "content_sha256", "schema", "schema_version"}
-
-
-def _leaves(doc: Any, prefix: str = "") -> dict[str, Any]:
-    """{dotted path: value} of every scalar in a JSON document, provenance and digests left out."""
-    if isinstance(doc, dict):
-        out = {}
-        for k, v in doc.items():
-            if k not in SKIP_KEYS:
-                out.update(_leaves(v, f"{prefix}{k}."))
-        return out
-    if isinstance(doc, list):
-        out = {}
-        for i, v in enumerate(doc):
-            out.update(_leaves(v, f"{prefix}{i}."))
-        return out
-    return {prefix.rstrip("."): doc}
+SKIP_KEYS = frozenset({"provenance", "content_sha256", "schema", "schema_version"})
 
 
 def compare_quality(recorded: dict[str, Any], reproduced: dict[str, Any], tolerance: float) -> list[dict[str, Any]]:
     """Every number (or string) of two quality.json that differs beyond `tolerance` (relative)."""
-    a, b = _leaves(recorded), _leaves(reproduced)
+    a, b = leaves(recorded, skip=SKIP_KEYS), leaves(reproduced, skip=SKIP_KEYS)
     diffs = []
     for key in sorted(set(a) | set(b)):
         x, y = a.get(key), b.get(key)
@@ -63,8 +47,11 @@ def compare_quality(recorded: dict[str, Any], reproduced: dict[str, Any], tolera
     return diffs
 
 
-def compare_timing(recorded: dict[str, Any], reproduced: dict[str, Any]) -> list[dict[str, Any]]:
-    """x of every graph, beyond the larger of the two jobs' round-to-round ranges of x."""
+def compare_timing(recorded: dict[str, Any], reproduced: dict[str, Any], tolerance: dict[str, float]
+                   ) -> list[dict[str, Any]]:
+    """x and the median ms of every graph, each against the re-executed job's value: beyond `tolerance`
+    (relative: {"x", "ms"}) of it, or its round-to-round range where that is wider. Nothing is taken
+    from the record but the values compared."""
     diffs = []
     for g in sorted(set(recorded.get("graphs", {})) | set(reproduced.get("graphs", {}))):
         r, p = recorded.get("graphs", {}).get(g), reproduced.get("graphs", {}).get(g)
@@ -72,9 +59,14 @@ def compare_timing(recorded: dict[str, Any], reproduced: dict[str, Any]) -> list
             diffs.append({"key": f"graphs.{g}.x", "recorded": r and r.get("x"), "reproduced": p and p.get("x"),
                           "tolerance": None})
             continue
-        spread = max(r["x_max"] - r["x_min"], p["x_max"] - p["x_min"])
-        if abs(r["x"] - p["x"]) > spread:
-            diffs.append({"key": f"graphs.{g}.x", "recorded": r["x"], "reproduced": p["x"], "tolerance": spread})
+        allowed = {"x": max(p["x_max"] - p["x_min"], tolerance["x"] * abs(p["x"]))}
+        for ms in ("variant_ms", "baseline_ms"):
+            allowed[f"{ms}.median_ms"] = max(p[ms]["max_ms"] - p[ms]["min_ms"], tolerance["ms"] * p[ms]["median_ms"])
+        for key, limit in allowed.items():
+            mine, theirs = (r[key], p[key]) if key == "x" else (r[key.split(".")[0]]["median_ms"],
+                                                              p[key.split(".")[0]]["median_ms"])
+            if abs(mine - theirs) > limit:
+                diffs.append({"key": f"graphs.{g}.{key}", "recorded": mine, "reproduced": theirs, "tolerance": limit})
     if recorded.get("engine_sha256") != reproduced.get("engine_sha256"):
         diffs.append({"key": "engine_sha256", "recorded": recorded.get("engine_sha256"),
                       "reproduced": reproduced.get("engine_sha256"), "tolerance": None})
@@ -142,6 +134,18 @@ def scratch_copy(study: str, scratch: Path) -> Path:
     return scratch
 
 
+def _study(configfile: str, name: str):
+    """The study `name` of the run config `configfile` (checked as a run checks it, without the code)."""
+    import yaml
+
+    from quantstudy import config
+
+    run = config.load_run(yaml.safe_load(Path(configfile).read_text()), against_code=False)
+    if name not in run.studies:
+        raise config.ConfigError(f"{configfile} has no study {name!r}; its studies: {', '.join(run.studies)}")
+    return run.studies[name]
+
+
 def reproduce(study_dir: str | Path, configfile: str, jobs: list[str], scratch: str | Path | None = None,
               cores: int = 2, out: str | Path | None = None) -> dict[str, Any]:
     """Re-execute `jobs` (measurement JSON paths of one study) in a scratch copy and compare."""
@@ -149,6 +153,7 @@ def reproduce(study_dir: str | Path, configfile: str, jobs: list[str], scratch: 
     scratch = Path(scratch or tempfile.mkdtemp(prefix=f"reproduce-{study_dir.name}-"))
     report: dict[str, Any] = {"study": study_dir.name, "configfile": configfile, "scratch": str(scratch),
                               "jobs": [], "skipped": []}
+    timing_tolerance = _study(configfile, study_dir.name).reproduce_tolerance
     recorded, runnable = {}, []
     for path in jobs:
         try:
@@ -188,7 +193,7 @@ def reproduce(study_dir: str | Path, configfile: str, jobs: list[str], scratch: 
             job["differences"] = compare_quality(recorded[path], new, tolerance)
             job["ok"] = not job["differences"]
         else:
-            job["differences"] = compare_timing(recorded[path], new)
+            job["differences"] = compare_timing(recorded[path], new, timing_tolerance)
             job["ok"] = not job["differences"]
         report["jobs"].append(job)
     report["ok"] = bool(report["jobs"]) and all(j["ok"] for j in report["jobs"])

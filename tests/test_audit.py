@@ -36,15 +36,35 @@ def test_quality_is_compared_number_by_number_and_provenance_is_not():
     assert compare_quality(recorded, close, 0.0) != [] and compare_quality(recorded, close, 1e-5) == []
 
 
-def test_timing_x_is_compared_within_the_larger_round_to_round_range():
-    def timing(x, lo, hi):
-        return {"engine_sha256": {"main": "e"}, "graphs": {"main": {"x": x, "x_min": lo, "x_max": hi}}}
+def _timing(x, lo, hi, ms=(2.0, 1.9, 2.1), base=(2.2, 2.1, 2.3)):
+    """A timing.json's compared values: x and its range, the variant's and the baseline's (median, min, max) ms."""
+    summary = lambda m: {"median_ms": m[0], "min_ms": m[1], "max_ms": m[2]}  # noqa: E731
+    return {"engine_sha256": {"main": "e"}, "graphs": {"main": {"x": x, "x_min": lo, "x_max": hi,
+                                                                "variant_ms": summary(ms), "baseline_ms": summary(base)}}}
 
-    assert compare_timing(timing(1.10, 1.08, 1.12), timing(1.13, 1.12, 1.14)) == []        # 0.03 <= 0.04
-    [d] = compare_timing(timing(1.10, 1.09, 1.11), timing(1.20, 1.19, 1.21))               # 0.10 > 0.02
-    assert d["key"] == "graphs.main.x" and abs(d["tolerance"] - 0.02) < 1e-12
-    assert compare_timing(timing(1.1, 1.1, 1.1), {**timing(1.1, 1.1, 1.1), "engine_sha256": {"main": "f"}})[0][
-        "key"] == "engine_sha256"
+
+TOLERANCE = {"x": 0.05, "ms": 0.10}
+
+
+def test_timing_x_is_compared_within_the_reexecuted_jobs_range_or_the_study_share():
+    """Never within the record's own range: a forger who widens it gains nothing."""
+    assert compare_timing(_timing(1.10, 1.08, 1.12), _timing(1.14, 1.13, 1.15), TOLERANCE) == []  # 0.04 <= 0.057
+    [d] = compare_timing(_timing(1.10, 0.50, 2.00), _timing(1.20, 1.19, 1.21), TOLERANCE)  # 0.10 > 0.06
+    assert d["key"] == "graphs.main.x" and abs(d["tolerance"] - 0.06) < 1e-12
+    # the re-executed job's own range, where wider than the study's share: 0.10 <= 0.20
+    assert compare_timing(_timing(1.10, 1.09, 1.11), _timing(1.20, 1.10, 1.30), TOLERANCE) == []
+    assert compare_timing(_timing(1.1, 1.1, 1.1), {**_timing(1.1, 1.1, 1.1), "engine_sha256": {"main": "f"}},
+                          TOLERANCE)[0]["key"] == "engine_sha256"
+
+
+def test_timing_ms_are_compared_as_well_as_x():
+    """Both medians halved: x stands, the ms do not (allowed: the variant's range 0.2, wider than 10% of
+    2.0; 10% of the baseline's 2.2, wider than its range 0.2)."""
+    diffs = compare_timing(_timing(1.1, 1.0, 1.2, ms=(1.0, 0.99, 1.01), base=(1.1, 1.09, 1.11)),
+                           _timing(1.1, 1.0, 1.2), TOLERANCE)
+    assert [(d["key"], d["recorded"], d["reproduced"]) for d in diffs] == [
+        ("graphs.main.variant_ms.median_ms", 1.0, 2.0), ("graphs.main.baseline_ms.median_ms", 1.1, 2.2)]
+    assert abs(diffs[0]["tolerance"] - 0.2) < 1e-12 and abs(diffs[1]["tolerance"] - 0.22) < 1e-12
 
 
 def test_probes_are_compared_between_the_jobs_of_one_setting():

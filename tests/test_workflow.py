@@ -351,16 +351,27 @@ def test_reproduce_reruns_a_sample_of_the_measurements_and_they_agree(workflow_c
     assert "every re-executed job agrees with its record" in proc.stdout
 
 
+def _halve_variant_time(doc: dict) -> None:
+    """A timing forged with care: the variant's round samples halved, and its summary and x made again
+    from them as the time job makes them, so that every derived number agrees with the samples."""
+    from quantstudy import timing
+
+    g = doc["graphs"]["main"]
+    g["variant_ms"] = timing.summarize([t / 2 for t in g["variant_ms"]["samples_ms"]])
+    g.update(timing.speedup(g["baseline_ms"]["samples_ms"], g["variant_ms"]["samples_ms"]))
+
+
 def test_a_forged_result_with_its_digest_recomputed_is_caught_by_reproduce(workflow_copy, tmp_path):
-    """A quality value and a timing x edited with their digests recomputed, then `snakemake` again:
-    every hash on the chain agrees (the audit passes), and re-executing the two jobs names both."""
+    """A quality value, and a timing whose samples, ms and x were all forged consistently, with their
+    digests recomputed, then `snakemake` again: every hash on the chain and every derived number agree
+    (the audit passes), and re-executing the two jobs names the quality value, the ms and x."""
     import shutil
 
     repo = tmp_path / "repo"
     shutil.copytree(workflow_copy, repo, symlinks=True)
     variant = "results/fnet/cpu-torch/fnet-base/w512/fp8"
     _forge(repo / variant / "quality.json", lambda d: d["blocks"]["mlm"].update(top1_agreement=0.999))
-    _forge(repo / variant / "timing.json", lambda d: d["graphs"]["main"].update(x=5.0))
+    _forge(repo / variant / "timing.json", _halve_variant_time)
     proc = snakemake(repo, "--configfile", ".test/config.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((repo / "results/fnet/audit.json").read_text())["ok"]
@@ -369,7 +380,47 @@ def test_a_forged_result_with_its_digest_recomputed_is_caught_by_reproduce(workf
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"DIFFERS evaluate: {variant}/quality.json" in proc.stdout
     assert "blocks.mlm.top1_agreement: recorded 0.999, reproduced" in proc.stdout
-    assert f"DIFFERS time: {variant}/timing.json" in proc.stdout and "graphs.main.x: recorded 5.0" in proc.stdout
+    assert f"DIFFERS time: {variant}/timing.json" in proc.stdout
+    assert "graphs.main.x: recorded" in proc.stdout and "graphs.main.variant_ms.median_ms: recorded" in proc.stdout
+
+
+def test_a_forged_x_or_table_cell_fails_the_audit_that_makes_it_again(workflow_copy, tmp_path):
+    """Derived numbers are made again from what they derive from, with no tolerance read from the record:
+    an x edited in a timing file (its digest recomputed, the workflow rerun) is not the ratio of its
+    samples; a table cell and the decision edited in tables.json (digest recomputed, the README rendered
+    from it) are not what its input files give."""
+    import shutil
+
+    from quantstudy.artifacts import read_json
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    timing = "results/fnet/cpu-torch/fnet-base/w512/fp8/timing.json"
+    _forge(repo / timing, lambda d: d["graphs"]["main"].update(x=5.0, x_min=4.0, x_max=6.0))
+    proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
+    assert proc.returncode != 0
+    log = (repo / "logs/fnet/audit.log").read_text()
+    assert f"{timing}: graph main's x is 5.0, but its round samples give" in log
+    assert f"{timing}: graph main's x_max is 6.0" in log
+
+    repo = tmp_path / "repo2"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    tables = read_json(repo / "results/fnet/tables.json", "tables")
+    row = next(i for i, r in enumerate(tables["speed"]) if r["variant"] == "fp8" and r["status"] == "ok")
+    recorded_x = tables["speed"][row]["x"]
+
+    def forge_tables(d):
+        d["speed"][row]["x"] = 1.5
+        d["decision"]["ship"] = True
+    _forge(repo / "results/fnet/tables.json", forge_tables)
+    proc = snakemake(repo, "--configfile", ".test/config.yaml", "--forcerun", "render", "--keep-going")
+    assert proc.returncode != 0
+    log = (repo / "logs/fnet/audit.log").read_text()
+    assert "is not what the templates render" not in log  # the README was rendered from the forged tables
+    assert f"results/fnet/tables.json: speed.{row}.x is 1.5, but its input files give {recorded_x!r}" in log
+    assert "results/fnet/tables.json: decision.ship is True, but its input files give False" in log
+    proc = _audit_cli(repo, "check", "results/fnet")
+    assert proc.returncode == 1 and "decision.ship is True" in proc.stdout
 
 
 def test_a_probe_that_differs_between_timing_and_evaluation_fails_the_audit(workflow_copy, tmp_path):

@@ -141,10 +141,10 @@ class Inputs:
     def samples(self, study: config.Study, name: str) -> Path:
         out = self.work / study.name / "data" / f"{name}.json"
         if self._make(out):
-            spec = dict(study.raw["samples"][name])
+            spec = dict(study.sample_spec(name))
             spec["count"] = min(spec["count"], self.calibration_samples)
             hub_json = self._hub.get(study.name)
-            steps.fetch_dataset(name, spec, study.raw["datasets"][spec["dataset"]], study.family, str(self.cache),
+            steps.fetch_dataset(name, spec, study.sample_dataset(name), study.family, str(self.cache),
                                 True, str(self.checkpoint(study, next(iter(study.models)))), str(out),
                                 str(hub_json) if hub_json else None)
         return out
@@ -265,7 +265,7 @@ def measure(study: config.Study, model: str, setting: str, target: dict[str, Any
         _say(f"{model}/{setting}: {what} {seconds[what]} s")
 
     family, st, arch = study.family, study.setting(setting), study.models[model].architecture
-    baseline, candidate = study.baseline(setting), study.raw["candidate"]
+    baseline, candidate = study.baseline(setting), study.candidate
     inputs.local_hub(study, model)
     ckpt = inputs.checkpoint(study, model)
     amax = inputs.amax(study, model, study.calibration_setting(model, setting))
@@ -326,7 +326,7 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
     """One graph of the built baseline and candidate against the plain ones: open, check, time, profile.
     A compile worker (--open-only) opens its one engine and returns None."""
     family, st = study.family, study.setting(setting)
-    baseline, candidate = study.baseline(setting), study.raw["candidate"]
+    baseline, candidate = study.baseline(setting), study.candidate
     on = "" if graph == "main" else f" {graph}"  # in the step names of a family with several graphs
     example = steps.example_inputs(family, snapshot, graph, st, builds[baseline]["spec"]["precision"])
     runners, fp8_layers = {}, {}
@@ -358,7 +358,7 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
                               runners[f"project {candidate}"].static_inputs, plain.layer_prefix(family))
     result_check = check(outputs, fp32_outputs(family, snapshot, st, graph, example, target["device"]), baseline,
                          candidate, layers)
-    t = {**study.raw["timing"], **{k: v for k, v in (("warmup", args.warmup), ("rounds", args.rounds),
+    t = {**study.timing_rounds, **{k: v for k, v in (("warmup", args.warmup), ("rounds", args.rounds),
                                                      ("calls_per_round", args.calls)) if v is not None}}
     with qt.device_lock(target["device"]):
         timed = qt.time_interleaved(runners, t["warmup"], t["rounds"], t["calls_per_round"])

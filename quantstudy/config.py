@@ -129,6 +129,51 @@ class Study:
         return self.raw["timing"]["repeats"]
 
     @property
+    def title(self) -> str:
+        return self.raw["title"]
+
+    @property
+    def candidate(self) -> str:
+        """The variant the decision is about."""
+        return self.raw["candidate"]
+
+    @property
+    def timing_rounds(self) -> dict[str, int]:
+        """How each timing job times: warmup calls, rounds, calls per round (not how many jobs)."""
+        return {k: self.raw["timing"][k] for k in ("warmup", "rounds", "calls_per_round")}
+
+    @property
+    def evaluation_samples(self) -> list[str]:
+        """The sample sets every evaluation and reference job measures."""
+        return self.raw["evaluation_samples"]
+
+    @property
+    def quality_against(self) -> list[str]:
+        """The variants whose engines every other variant's evaluation is also compared with."""
+        return self.raw["quality_against"]
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return self.raw["metrics"]
+
+    @property
+    def seeds(self) -> dict[str, Any]:
+        return self.raw["seeds"]
+
+    @property
+    def reference_dtype(self) -> str:
+        """The dtype the PyTorch reference runs in (`reference_dtype`)."""
+        return self.raw["reference_dtype"]
+
+    def sample_spec(self, name: str) -> dict[str, Any]:
+        """Sample set `name`: {dataset, split, kind, count, seed, offset}."""
+        return self.raw["samples"][name]
+
+    def sample_dataset(self, name: str) -> dict[str, Any]:
+        """The dataset entry (repo, revision, files, ...) that sample set `name` is drawn from."""
+        return self.raw["datasets"][self.sample_spec(name)["dataset"]]
+
+    @property
     def reproduce_tolerance(self) -> dict[str, float]:
         """How far a re-executed timing job may come from its record: {"x": relative, "ms": relative}."""
         return self.raw["timing"]["reproduce"]
@@ -323,6 +368,8 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
     # One timing job and one evaluation job per engine unless asked; int: the schema's integer also admits 2.0.
     doc["timing"]["repeats"] = int(doc["timing"].get("repeats", 1))
     doc["timing"]["reproduce"] = {**REPRODUCE_TOLERANCE, **doc["timing"].get("reproduce", {})}
+    doc.setdefault("reference_dtype", "float32")
+    doc.setdefault("quality_against", [])
     doc["evaluation"] = {"repeats": int((doc.get("evaluation") or {}).get("repeats", 1))}
     study = _build_study(_locked(doc, where), where, against_code)
     if study.published:

@@ -59,7 +59,7 @@ def served_settings(w):
 
 def timing_rounds(w):
     """How each timing job times (not how many jobs: raising `repeats` adds jobs, it reruns none)."""
-    return {k: study(w).raw["timing"][k] for k in ("warmup", "rounds", "calls_per_round")}
+    return study(w).timing_rounds
 
 
 def architecture(w):
@@ -89,7 +89,7 @@ def samples_json(w, name):
 
 def evaluation_samples(w):
     """The study's evaluation sample sets, by name: what the reference and evaluate jobs read."""
-    return {name: samples_json(w, name) for name in study(w).raw["evaluation_samples"]}
+    return {name: samples_json(w, name) for name in study(w).evaluation_samples}
 
 
 def calibration_samples(w):
@@ -137,7 +137,7 @@ def target_env(w):
 
 def study_title(w):
     """The study's title: its category in `snakemake --report`."""
-    return study(w).raw["title"]
+    return study(w).title
 
 
 def variant_build(w, variant=None):
@@ -149,7 +149,7 @@ def variant_build(w, variant=None):
 
 def quality_against(w):
     """The variants whose engines this variant's quality is also measured against (`quality_against`)."""
-    return [v for v in study(w).raw.get("quality_against", []) if v != w.variant]
+    return [v for v in study(w).quality_against if v != w.variant]
 
 
 def against_builds(w):

@@ -97,7 +97,7 @@ rule profile:
         target=target_params,
         setting=setting_params,
         recipe=lambda w: study(w).recipe,
-        calls=lambda w: study(w).raw["timing"]["calls_per_round"],
+        calls=lambda w: study(w).timing_rounds["calls_per_round"],
     log:
         f"logs/{VARIANT_KEY}/profile.log",
     benchmark:
@@ -155,8 +155,8 @@ rule evaluate:
         target=target_params,
         setting=setting_params,
         recipe=lambda w: study(w).recipe,
-        metrics=lambda w: study(w).raw["metrics"],
-        seeds=lambda w: study(w).raw["seeds"],
+        metrics=lambda w: study(w).metrics,
+        seeds=lambda w: study(w).seeds,
         samples=lambda w: list(evaluation_samples(w)),
         against=quality_against,
         repeat=repeat_index,

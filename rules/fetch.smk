@@ -49,8 +49,8 @@ rule fetch_dataset:
         "results/{study}/data/{samples}.json",
     params:
         name=lambda w: w.samples,
-        samples_spec=lambda w: study(w).raw["samples"][w.samples],
-        dataset=lambda w: study(w).raw["datasets"][study(w).raw["samples"][w.samples]["dataset"]],
+        samples_spec=lambda w: study(w).sample_spec(w.samples),
+        dataset=lambda w: study(w).sample_dataset(w.samples),
         family=lambda w: study(w).family,
         cache_dir=RUN.hf_cache,
         offline=RUN.offline,

@@ -12,10 +12,10 @@ rule reference:
         family=lambda w: study(w).family,
         model=lambda w: w.model,
         setting=setting_params,
-        metrics=lambda w: study(w).raw["metrics"],
-        seeds=lambda w: study(w).raw["seeds"],
+        metrics=lambda w: study(w).metrics,
+        seeds=lambda w: study(w).seeds,
         samples=lambda w: list(evaluation_samples(w)),
-        dtype=lambda w: study(w).raw.get("reference_dtype", "float32"),
+        dtype=lambda w: study(w).reference_dtype,
     log:
         "logs/{study}/{model}/{setting}/reference.log",
     benchmark:

@@ -5,6 +5,7 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 if not config:  # a plain `snakemake` runs the embedded default; profiles name their own config
+
     configfile: "config/config.yaml"
 
 

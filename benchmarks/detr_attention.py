@@ -218,7 +218,8 @@ def kernels(rows: list[dict[str, Any]], top: int = 6) -> str:
                 "|---|---|---|---|"]
         for k in r["profile"]["top_kernels"][:top]:
             config = r["best_configs"].get(k["name"], {})
-            chosen = ", ".join(f"{key} {v}" for key, v in config.items() if key in ("XBLOCK", "YBLOCK", "R0_BLOCK", "RBLOCK", "num_warps", "num_stages"))
+            chosen = ", ".join(f"{key} {v}" for key, v in config.items()
+                               if key in ("XBLOCK", "YBLOCK", "R0_BLOCK", "RBLOCK", "num_warps", "num_stages"))
             out.append(f"| {k['ms']:.4f} | {k['count']:g} | `{k['name']}` | {chosen} |")
     return "\n".join(out)
 

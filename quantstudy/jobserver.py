@@ -32,7 +32,6 @@ import tempfile
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 # The environment variable that names a running server's socket, for the jobs Snakemake starts.

@@ -196,8 +196,7 @@ def engine_files(s, name):
     if name in ("build.json", "measurements.json"):
         engines = s.builds(RUN.targets)
     else:
-        engines = s.engines(RUN.targets, quality_only=name == "quality.json",
-                            timed_only=name in ("timing.json", "kernels.json"))
+        engines = s.engines(RUN.targets, quality_only=name == "quality.json", timed_only=name in ("timing.json", "kernels.json"))
     repeats = {"timing.json": s.repeats, "quality.json": s.evaluation_repeats}.get(name, 1)
     names = [repeat_file(name, r) for r in range(1, repeats + 1)]
     return [f"results/{s.name}/{t}/{m}/{st}/{v}/{n}" for t, m, st, v in engines for n in names]
@@ -205,8 +204,11 @@ def engine_files(s, name):
 
 def fp8_variants_timed(s, target, model, setting):
     """The variants with FP8 layers that a target times at a model and setting."""
-    return [v for t, m, st, v in s.engines(RUN.targets, timed_only=True)
-            if (t, m, st) == (target, model, setting) and s.variants[v].has_fp8(s.setting(st))]
+    return [
+        v
+        for t, m, st, v in s.engines(RUN.targets, timed_only=True)
+        if (t, m, st) == (target, model, setting) and s.variants[v].has_fp8(s.setting(st))
+    ]
 
 
 def fp8_variant_specs(w):

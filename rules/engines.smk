@@ -9,6 +9,12 @@ rule export:
         checkpoint=checkpoint_json,
     output:
         export=f"{EXPORT_DIR}/export.json",
+    log:
+        "logs/{study}/{model}/{setting}/onnx/{variant}/export.log",
+    benchmark:
+        "benchmarks/{study}/{model}/{setting}/onnx/{variant}/export.tsv"
+    conda:
+        WORKFLOW_ENV
     params:
         ident=lambda w: {"model": w.model, "setting": w.setting, "variant": w.variant},
         family=lambda w: study(w).family,
@@ -16,12 +22,6 @@ rule export:
         architecture=architecture,
         spec=variant_spec,
         recipe=lambda w: study(w).recipe,
-    log:
-        "logs/{study}/{model}/{setting}/onnx/{variant}/export.log",
-    benchmark:
-        "benchmarks/{study}/{model}/{setting}/onnx/{variant}/export.tsv"
-    conda:
-        WORKFLOW_ENV
     script:
         "../scripts/export.py"
 
@@ -34,6 +34,14 @@ rule build:
     output:
         build=f"{VARIANT_DIR}/build.json",
         measurements=f"{VARIANT_DIR}/measurements.json",
+    log:
+        f"logs/{VARIANT_KEY}/build.log",
+    benchmark:
+        f"benchmarks/{VARIANT_KEY}/build.tsv"
+    conda:
+        target_env
+    resources:
+        speed_measurement=build_measures_speed,
     params:
         ident=variant_ident,
         family=lambda w: study(w).family,
@@ -43,14 +51,6 @@ rule build:
         architecture=architecture,
         spec=variant_spec,
         recipe=lambda w: study(w).recipe,
-    log:
-        f"logs/{VARIANT_KEY}/build.log",
-    benchmark:
-        f"benchmarks/{VARIANT_KEY}/build.tsv"
-    resources:
-        speed_measurement=build_measures_speed,
-    conda:
-        target_env
     script:
         "../scripts/build.py"
 
@@ -64,6 +64,14 @@ rule time:
         baseline_build=baseline_build,
     output:
         timing=f"{VARIANT_DIR}/timing{{repeat}}.json",
+    log:
+        f"logs/{VARIANT_KEY}/time{{repeat}}.log",
+    benchmark:
+        f"benchmarks/{VARIANT_KEY}/time{{repeat}}.tsv"
+    conda:
+        target_env
+    resources:
+        speed_measurement=1,
     params:
         ident=variant_ident,
         family=lambda w: study(w).family,
@@ -73,14 +81,6 @@ rule time:
         # not `repeats`: asking for more repeats adds jobs and keeps those already run
         timing=timing_rounds,
         repeat=repeat_index,
-    log:
-        f"logs/{VARIANT_KEY}/time{{repeat}}.log",
-    benchmark:
-        f"benchmarks/{VARIANT_KEY}/time{{repeat}}.tsv"
-    resources:
-        speed_measurement=1,
-    conda:
-        target_env
     script:
         "../scripts/time.py"
 
@@ -91,6 +91,14 @@ rule profile:
         build=variant_build,
     output:
         kernels=f"{VARIANT_DIR}/kernels.json",
+    log:
+        f"logs/{VARIANT_KEY}/profile.log",
+    benchmark:
+        f"benchmarks/{VARIANT_KEY}/profile.tsv"
+    conda:
+        target_env
+    resources:
+        speed_measurement=1,
     params:
         ident=variant_ident,
         family=lambda w: study(w).family,
@@ -98,14 +106,6 @@ rule profile:
         setting=setting_params,
         recipe=lambda w: study(w).recipe,
         calls=lambda w: study(w).timing_rounds["calls_per_round"],
-    log:
-        f"logs/{VARIANT_KEY}/profile.log",
-    benchmark:
-        f"benchmarks/{VARIANT_KEY}/profile.tsv"
-    resources:
-        speed_measurement=1,
-    conda:
-        target_env
     script:
         "../scripts/profile.py"
 
@@ -116,6 +116,14 @@ rule gemm:
         amax=lambda w: amax_json(w.study, w.model, study(w).calibration_setting(w.model, w.setting)),
     output:
         gemm=f"{SETTING_DIR}/gemm.json",
+    log:
+        f"logs/{SETTING_KEY}/gemm.log",
+    benchmark:
+        f"benchmarks/{SETTING_KEY}/gemm.tsv"
+    conda:
+        target_env
+    resources:
+        speed_measurement=1,
     params:
         ident=lambda w: {"target": w.target, "model": w.model, "setting": w.setting},
         family=lambda w: study(w).family,
@@ -125,14 +133,6 @@ rule gemm:
         specs=fp8_variant_specs,
         recipe=lambda w: study(w).recipe,
         timing=timing_rounds,
-    resources:
-        speed_measurement=1,
-    log:
-        f"logs/{SETTING_KEY}/gemm.log",
-    benchmark:
-        f"benchmarks/{SETTING_KEY}/gemm.tsv"
-    conda:
-        target_env
     script:
         "../scripts/gemm.py"
 
@@ -149,6 +149,12 @@ rule evaluate:
         reference_tensors=lambda w: f"{reference_prefix(w)}.safetensors",
     output:
         quality=f"{VARIANT_DIR}/quality{{repeat}}.json",
+    log:
+        f"logs/{VARIANT_KEY}/evaluate{{repeat}}.log",
+    benchmark:
+        f"benchmarks/{VARIANT_KEY}/evaluate{{repeat}}.tsv"
+    conda:
+        target_env
     params:
         ident=variant_ident,
         family=lambda w: study(w).family,
@@ -160,11 +166,5 @@ rule evaluate:
         samples=lambda w: list(evaluation_samples(w)),
         against=quality_against,
         repeat=repeat_index,
-    log:
-        f"logs/{VARIANT_KEY}/evaluate{{repeat}}.log",
-    benchmark:
-        f"benchmarks/{VARIANT_KEY}/evaluate{{repeat}}.tsv"
-    conda:
-        target_env
     script:
         "../scripts/evaluate.py"

@@ -4,18 +4,18 @@
 rule local_hub:
     output:
         "results/{study}/local_hub.json",
-    params:
-        family=lambda w: study(w).family,
-        models=lambda w: study(w).local_hub_specs()["models"],
-        datasets=lambda w: study(w).local_hub_specs()["datasets"],
-        cache_dir=RUN.hf_cache,
-        weights=RUN.weights,
     log:
         "logs/{study}/local_hub.log",
     benchmark:
         "benchmarks/{study}/local_hub.tsv"
     conda:
         WORKFLOW_ENV
+    params:
+        family=lambda w: study(w).family,
+        models=lambda w: study(w).local_hub_specs()["models"],
+        datasets=lambda w: study(w).local_hub_specs()["datasets"],
+        cache_dir=RUN.hf_cache,
+        weights=RUN.weights,
     script:
         "../scripts/local_hub.py"
 
@@ -25,18 +25,18 @@ rule fetch_checkpoint:
         unpack(local_hub_input),
     output:
         "results/{study}/{model}/checkpoint.json",
-    params:
-        repo=lambda w: study(w).models[w.model].repo,
-        revision=lambda w: study(w).models[w.model].revision,
-        cache_dir=RUN.hf_cache,
-        offline=RUN.offline,
-        weights=RUN.weights,
     log:
         "logs/{study}/{model}/fetch_checkpoint.log",
     benchmark:
         "benchmarks/{study}/{model}/fetch_checkpoint.tsv"
     conda:
         WORKFLOW_ENV
+    params:
+        repo=lambda w: study(w).models[w.model].repo,
+        revision=lambda w: study(w).models[w.model].revision,
+        cache_dir=RUN.hf_cache,
+        offline=RUN.offline,
+        weights=RUN.weights,
     script:
         "../scripts/fetch_checkpoint.py"
 
@@ -47,6 +47,12 @@ rule fetch_dataset:
         checkpoint=first_model_checkpoint,
     output:
         "results/{study}/data/{samples}.json",
+    log:
+        "logs/{study}/data/{samples}.log",
+    benchmark:
+        "benchmarks/{study}/data/{samples}.tsv"
+    conda:
+        WORKFLOW_ENV
     params:
         name=lambda w: w.samples,
         samples_spec=lambda w: study(w).sample_spec(w.samples),
@@ -54,11 +60,5 @@ rule fetch_dataset:
         family=lambda w: study(w).family,
         cache_dir=RUN.hf_cache,
         offline=RUN.offline,
-    log:
-        "logs/{study}/data/{samples}.log",
-    benchmark:
-        "benchmarks/{study}/data/{samples}.tsv"
-    conda:
-        WORKFLOW_ENV
     script:
         "../scripts/fetch_dataset.py"

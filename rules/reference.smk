@@ -8,6 +8,12 @@ rule reference:
     output:
         json="results/{study}/{model}/{setting}/reference.json",
         tensors="results/{study}/{model}/{setting}/reference.safetensors",
+    log:
+        "logs/{study}/{model}/{setting}/reference.log",
+    benchmark:
+        "benchmarks/{study}/{model}/{setting}/reference.tsv"
+    conda:
+        WORKFLOW_ENV
     params:
         family=lambda w: study(w).family,
         model=lambda w: w.model,
@@ -16,12 +22,6 @@ rule reference:
         seeds=lambda w: study(w).seeds,
         samples=lambda w: list(evaluation_samples(w)),
         dtype=lambda w: study(w).reference_dtype,
-    log:
-        "logs/{study}/{model}/{setting}/reference.log",
-    benchmark:
-        "benchmarks/{study}/{model}/{setting}/reference.tsv"
-    conda:
-        WORKFLOW_ENV
     script:
         "../scripts/reference.py"
 
@@ -32,17 +32,17 @@ rule calibrate:
         samples=calibration_samples,
     output:
         amax="results/{study}/{model}/calib/{setting}/amax.json",
-    params:
-        family=lambda w: study(w).family,
-        model=lambda w: w.model,
-        setting=setting_params,
-        architecture=architecture,
-        recipe=lambda w: study(w).recipe,
     log:
         "logs/{study}/{model}/calib/{setting}/calibrate.log",
     benchmark:
         "benchmarks/{study}/{model}/calib/{setting}/calibrate.tsv"
     conda:
         WORKFLOW_ENV
+    params:
+        family=lambda w: study(w).family,
+        model=lambda w: w.model,
+        setting=setting_params,
+        architecture=architecture,
+        recipe=lambda w: study(w).recipe,
     script:
         "../scripts/calibrate.py"

@@ -16,19 +16,18 @@ rule aggregate:
         published=lambda w: [study(w).published] if study(w).published else [],
         samples=study_sample_lists,
     output:
-        tables=report("results/{study}/tables.json", caption="../report/tables.rst", category=study_title,
-                      subcategory="data"),
-    params:
-        study=lambda w: study(w).raw,
-        baselines=lambda w: study(w).baselines(),
-        run={"name": RUN.name, "weights": RUN.weights, "note": config["run"].get("note", "")},
-        targets=lambda w: {n: vars(RUN.targets[n]) for n in study_targets(study(w))},
+        tables=report("results/{study}/tables.json", caption="../report/tables.rst", category=study_title, subcategory="data"),
     log:
         "logs/{study}/aggregate.log",
     benchmark:
         "benchmarks/{study}/aggregate.tsv"
     conda:
         WORKFLOW_ENV
+    params:
+        study=lambda w: study(w).raw,
+        baselines=lambda w: study(w).baselines(),
+        run={"name": RUN.name, "weights": RUN.weights, "note": config["run"].get("note", "")},
+        targets=lambda w: {n: vars(RUN.targets[n]) for n in study_targets(study(w))},
     script:
         "../scripts/aggregate.py"
 
@@ -37,8 +36,7 @@ rule plot:
     input:
         tables="results/{study}/tables.json",
     output:
-        plot=report("results/{study}/speed_quality.png", caption="../report/speed_quality.rst",
-                    category=study_title, subcategory="plot"),
+        plot=report("results/{study}/speed_quality.png", caption="../report/speed_quality.rst", category=study_title, subcategory="plot"),
     log:
         "logs/{study}/plot.log",
     benchmark:
@@ -56,8 +54,7 @@ rule render:
         templates=lambda w: [f"templates/{t}" for t in ("macros.md.j2", "study.md.j2", f"{study(w).family}.md.j2")],
     output:
         readme="results/{study}/README.md",
-        page=report("results/{study}/README.html", caption="../report/readme.rst", category=study_title,
-                    subcategory="README"),
+        page=report("results/{study}/README.html", caption="../report/readme.rst", category=study_title, subcategory="README"),
     log:
         "logs/{study}/render.log",
     benchmark:
@@ -73,8 +70,7 @@ rule audit:
         tables="results/{study}/tables.json",
         readme="results/{study}/README.md",
     output:
-        audit=report("results/{study}/audit.json", caption="../report/audit.rst", category=study_title,
-                     subcategory="data"),
+        audit=report("results/{study}/audit.json", caption="../report/audit.rst", category=study_title, subcategory="data"),
     log:
         "logs/{study}/audit.log",
     benchmark:

@@ -11,4 +11,4 @@ cd "$(dirname "$0")/.."
 # installed) that runs on the CPU; it is the newest torch beside which PyPI's torchvision
 # imports (timm needs torchvision), and no CPU-only 2.14.1 wheel exists.
 .venv/bin/python -m pip install -q -r envs/quantstudy.txt
-.venv/bin/python -m pip install -q -e ".[workflow,onnx,test]"
+.venv/bin/python -m pip install -q -e ".[workflow,onnx,test,lint]"

@@ -160,7 +160,7 @@ def stand_in_lock(path: Path, run_configs: list[str]) -> list[str]:
     return sorted(entries)
 
 
-def dry_run_with_studies(tmp_path: Path, studies: dict) -> "subprocess.CompletedProcess":
+def dry_run_with_studies(tmp_path: Path, studies: dict):
     """`snakemake -n` of the checkout's Snakefile in `tmp_path`, on the embedded default with these
     studies (run-config entries): what a user's bad config does before any job."""
     import subprocess

@@ -126,7 +126,8 @@ def test_a_variants_fp8_pattern_that_matches_no_layer(key, tmp_path):
 def test_variant_with_unknown_transform(tmp_path):
     doc = study_doc()
     doc["variants"]["fp8-smooth"] = {"precision": "float16", "transforms": [{"smoothquant": {}}]}
-    with pytest.raises(qc.ConfigError, match=r"variant 'fp8-smooth' names unknown transform 'smoothquant'; known transforms: fp32_dequantize, fp8, hidden_scaling"):
+    with pytest.raises(qc.ConfigError, match=r"variant 'fp8-smooth' names unknown transform 'smoothquant'; "
+                                             r"known transforms: fp32_dequantize, fp8, hidden_scaling"):
         load(doc, tmp_path)
 
 

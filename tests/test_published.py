@@ -82,7 +82,8 @@ def test_a_missing_source_is_an_error(drop, message, tmp_path):
 def test_values_as_printed_kinds_with_tolerances_and_ranges_that_run_forward(tmp_path):
     doc = published_doc()
     doc["tables"][0]["rows"][0]["values"] = {"NaN passages of 300": 293}  # a YAML number loses "1.10"'s zero
-    with pytest.raises(qc.ConfigError, match=r"values.NaN passages of 300: 293: expected one number exactly as the write-up prints it, quoted"):
+    with pytest.raises(qc.ConfigError, match=r"values.NaN passages of 300: 293: expected one number exactly as the "
+                                             r"write-up prints it, quoted"):
         load_fnet_with(doc, tmp_path)
     doc = published_doc()
     doc["tables"][0]["columns"]["NaN passages of 300"]["kind"] = "nan_count"
@@ -230,7 +231,8 @@ def test_flagged_and_unreproduced_rows_are_marked():
     lines = section_lines(render.render_section(t))
     # x and FP8 ms of both rows: 0.535 ms against 0.466 and 0.403 against 0.371 are beyond 5% as well
     assert "This run reproduces 4 of them; 3 differ from the published value beyond the tolerance" in lines
-    beyond = "| base, 256 \\| B200 | x | speed `x`: b200-trt11.4, fnet-base, w256, fp8 | x | 1.09 | 1.02 | -0.07 | ±0.02 | **beyond tolerance** |"
+    beyond = ("| base, 256 \\| B200 | x | speed `x`: b200-trt11.4, fnet-base, w256, fp8 | x | 1.09 | 1.02 | -0.07 | ±0.02 "
+              "| **beyond tolerance** |")
     assert beyond in lines
     assert "| base, 128 \\| B200 | x | speed `x`: b200-trt11.4, fnet-base, w128, fp8 | x | 1.11 | 1.10 | -0.01 | ±0.02 | within |" in lines
     assert ("| base, 256 \\| B300 | x | speed `x`: b300-trt11.4, fnet-base, w256, fp8 | x | 1.08 | - | - | - | "

@@ -3,7 +3,8 @@
 The Slurm test starts a single-node Slurm (scripts/slurm/start_test_cluster.sh, root only),
 runs a whole DAG through a profile derived from slurm-b200 that differs only in partition and
 GPU model, and checks against Slurm's own record that every job was submitted with sbatch,
-that the GPU rules asked for a GPU, and that the results equal a local run's. Without root or the Slurm packages it skips, unless QUANTSTUDY_REQUIRE_SLURM=1 (CI),
+that the GPU rules asked for a GPU, and that the results equal a local run's. Without root or the
+Slurm packages it skips, unless QUANTSTUDY_REQUIRE_SLURM=1 (CI),
 where that is a failure. Its wall time, one GPU and one CPU sbatch line and the Slurm records
 go to logs/test_slurm/summary.md.
 

@@ -482,7 +482,6 @@ class DeformableDetr:
         agreement with it, its AP and the drop from it. Non-finite: images whose logits or boxes hold
         a NaN or an Inf.
         """
-        from quantstudy import metrics as qm
 
         labels, processor = _category_map(checkpoint, samples), self.processor(checkpoint)
         blocks, nonfinite = {}, {}

@@ -69,7 +69,7 @@ def walk(root: str | Path) -> list[dict[str, Any]]:
                     hardware=prov.get("hardware", {}))
         if doc.get("repo") and doc.get("revision"):
             step["pinned"] = f"{doc['repo']} at {doc['revision']}"
-        if doc.get("schema") == "checkpoint":
+        if doc.get("schema") in ("checkpoint", "samples") and "snapshot" in doc:  # a pinned snapshot's files
             snapshot = Path(doc["snapshot"])
             for rel, want in doc["files"].items():
                 if not (snapshot / rel).exists() or sha256_file(snapshot / rel) != want:
@@ -144,6 +144,29 @@ def timing_problems(path: str, doc: dict[str, Any]) -> list[str]:
     return problems
 
 
+def redrawn_problems(path: str, doc: dict[str, Any], family: str) -> list[str]:
+    """A sample list drawn again (steps.draw_samples) from the files of the snapshot it records, at the
+    pinned revision: where an id or a sample's content differs from the list, or none."""
+    from quantstudy import steps
+
+    if "snapshot" not in doc:
+        return [f"{path} does not record the snapshot it was drawn from (an older fetch_dataset): rerun it: "
+                f"snakemake --forcerun fetch_dataset {path}"]
+    params = doc["provenance"]["params"]
+    drawn = steps.draw_samples(params["samples"], params["dataset"], family, doc["snapshot"],
+                               doc["provenance"]["inputs"]["checkpoint"]["path"])
+    recorded, again = [(s["id"], s["sha256"]) for s in doc["samples"]], [(s["id"], s["sha256"]) for s in drawn]
+    differ = [i for i in range(max(len(recorded), len(again)))
+              if i >= len(recorded) or i >= len(again) or recorded[i] != again[i]]
+    if not differ:
+        return []
+    i = differ[0]
+    mine = "no sample" if i >= len(recorded) else f"{recorded[i][0]!r} (sha256 {recorded[i][1][:12]})"
+    theirs = "no sample" if i >= len(again) else f"{again[i][0]!r} (sha256 {again[i][1][:12]})"
+    return [f"{path}: sample {i} is {mine}, but drawing the set again from {doc['repo']} at {doc['revision']} gives "
+            f"{theirs} ({len(differ)} of {len(recorded)} samples differ)"]
+
+
 def rederived_problems(tables_json: str | Path) -> list[str]:
     """tables.json made again from the files and arguments its provenance names (aggregate.tables):
     every table cell, decision and range that is not what those files give, by its place in the file."""
@@ -188,6 +211,9 @@ def check_chain(tables_json: str | Path) -> dict[str, Any]:
         problems += timing_problems(path, doc)
     if not problems:  # aggregate reads every input: with one damaged, the chain's problems say which
         problems += rederived_problems(tables_json)
+    family = (steps[0].get("doc") or read_json(tables_json, "tables"))["family"]
+    for path, doc in dict((s["path"], s["doc"]) for s in steps if (s.get("doc") or {}).get("schema") == "samples").items():
+        problems += redrawn_problems(path, doc, family)
     return {"files_checked": len({s["path"] for s in steps}), "problems": problems}
 
 

@@ -169,23 +169,34 @@ def _load_split(snapshot: Path, pattern: str):
 
 def fetch_dataset(name: str, samples_spec: dict[str, Any], dataset: dict[str, Any], family: str, cache_dir: str,
                   offline: bool, checkpoint_json: str, out: str, local_hub_json: str | None = None) -> None:
-    """Draw the samples (the family's rule, seeded) from a split of a pinned dataset."""
+    """Draw the samples (the family's rule, seeded) from a split of a pinned dataset; record the
+    snapshot and the sha256 of each file of the split, so that the audit can draw them again."""
     started = now()
     split = samples_spec["split"]
     snap = hub.snapshot(dataset["repo"], dataset["revision"], cache_dir, "dataset", [dataset["files"][split]], offline)
-    rows = _load_split(snap, dataset["files"][split])
+    samples = draw_samples(samples_spec, dataset, family, snap, checkpoint_json)
+    if len(samples) < samples_spec["count"]:
+        log.warning("%s: only %d of %d samples qualify", name, len(samples), samples_spec["count"])
+    files = {p.relative_to(snap).as_posix(): artifacts.sha256_file(p)
+             for p in sorted(snap.glob(dataset["files"][split])) if p.is_file()}
+    write_json(out, "samples", {
+        "dataset": dataset["repo"], "repo": dataset["repo"], "revision": dataset["revision"], "split": split,
+        "kind": samples_spec["kind"], "snapshot": str(Path(snap).resolve()), "files": files, "samples": samples,
+        "provenance": provenance("fetch_dataset", {"checkpoint": checkpoint_json}, {"samples": samples_spec,
+                                 "dataset": dataset}, started)})
+
+
+def draw_samples(samples_spec: dict[str, Any], dataset: dict[str, Any], family: str, snapshot: str | Path,
+                 checkpoint_json: str) -> list[dict[str, Any]]:
+    """One sample set drawn by the family's rule (seeded) from its split's files in a dataset snapshot:
+    what fetch_dataset records, and what the audit draws again to check that record."""
+    split = samples_spec["split"]
+    rows = _load_split(Path(snapshot), dataset["files"][split])
     log.info("%s %s: %d rows", dataset["repo"], split, len(rows))
     fam = _family(family)
     # A detection dataset's declared box layout, which the family checks against every drawn image.
     spec = samples_spec | ({"box_format": dataset["box_format"]} if dataset.get("box_format") else {})
-    samples = fam.draw_samples(rows, spec, fam.processor(_snapshot(checkpoint_json)))
-    if len(samples) < samples_spec["count"]:
-        log.warning("%s: only %d of %d samples qualify", name, len(samples), samples_spec["count"])
-    write_json(out, "samples", {
-        "dataset": dataset["repo"], "repo": dataset["repo"], "revision": dataset["revision"], "split": split,
-        "kind": samples_spec["kind"], "samples": samples,
-        "provenance": provenance("fetch_dataset", {"checkpoint": checkpoint_json}, {"samples": samples_spec,
-                                 "dataset": dataset}, started)})
+    return fam.draw_samples(rows, spec, fam.processor(_snapshot(checkpoint_json)))
 
 
 def read_samples(path: str | Path, family: str) -> list[dict[str, Any]]:

@@ -423,6 +423,31 @@ def test_a_forged_x_or_table_cell_fails_the_audit_that_makes_it_again(workflow_c
     assert proc.returncode == 1 and "decision.ship is True" in proc.stdout
 
 
+def test_a_forged_sample_with_a_consistent_hash_fails_the_audit_that_draws_the_set_again(workflow_copy, tmp_path):
+    """One held-out passage replaced, its sha256 made that of the new text with the family's own hash
+    (so every job reads the list and agrees with it), the workflow rerun on it: drawing the set again
+    from the pinned dataset's files gives the original passage, and the audit names the sample."""
+    import shutil
+
+    from quantstudy import families
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    heldout = "results/fnet/data/heldout.json"
+    original = json.loads((repo / heldout).read_text())["samples"][2]
+
+    def replace_passage(d):
+        d["samples"][2]["text"] = "a passage the pinned dataset does not hold"
+        [d["samples"][2]["sha256"]] = families.get("fnet").content_sha256([d["samples"][2]])
+    _forge(repo / heldout, replace_passage)
+    proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
+    assert proc.returncode != 0
+    log = (repo / "logs/fnet/audit.log").read_text()
+    assert (f"{heldout}: sample 2 is {original['id']!r} (sha256 ") in log
+    assert "but drawing the set again from quantstudy-tiny/wikitext at " in log
+    assert f"gives {original['id']!r} (sha256 {original['sha256'][:12]}) (1 of " in log
+
+
 def test_a_probe_that_differs_between_timing_and_evaluation_fails_the_audit(workflow_copy, tmp_path):
     """TEST01: the timed and the evaluated engine are one file, and gave both jobs the same probe."""
     import shutil

@@ -513,6 +513,7 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
                                 f"(by {doc.get('calibrate_by', 'every shape key')}) to calibrate at")
 
     problems += _engine_problems(doc, models)
+    problems += _condition_problems(doc)
     if main_quality_condition(doc["decision"]) is None:
         problems.append("decision has no per-row quality condition (table: quality, reduce: min or max): its column "
                         "is the study's main quality metric, which the speed-vs-quality plot draws")
@@ -530,6 +531,40 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
         raise ConfigError(f"invalid study ({where}):\n" + "\n".join(f"  {p}" for p in problems))
     return Study(doc["study"], doc["family"], models, settings, datasets, variants, doc,
                  {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()}, doc.get("published"))
+
+
+# The speed table's columns (aggregate: a timing row, its repeats, its Amdahl bound, its target), beside
+# the settings' shape keys: what a decision condition on that table may name. A quality table's columns
+# are its family's metric blocks. tests/test_workflow.py checks a run's rows against this list.
+SPEED_COLUMNS = frozenset({
+    "target", "model", "setting", "variant", "graph", "status", "error", "source", "gpu", "backend", "batch",
+    "baseline", "variant_ms", "variant_spread", "baseline_ms", "x", "x_min", "x_max", "repeat", "repeats", "x_by_repeat",
+    "x_jobs_min", "x_jobs_max", "x_jobs_spread", "timing_sources", "bound", "bound_note", "at_limit", "x_of_bound",
+    "f", "f_basis", "f_kind", "f_source", "g", "g_source", "fp8_emulated"})
+# Row fields every table has, whose values a condition's `rows` filter may name.
+ROW_FIELDS = {"target": "targets", "model": "models", "setting": "settings", "variant": "variants"}
+
+
+def _condition_problems(doc: dict[str, Any]) -> list[str]:
+    """Decision conditions whose column or row filter names nothing: such a condition finds no rows,
+    and the decision counts it as not met, a changed answer instead of an error."""
+    shape_keys = {k for s in doc["settings"].values() for k in s if k not in ("engine", "quality")}
+    known = {"models": list(doc["models"]), "settings": list(doc["settings"]), "variants": list(doc["variants"]),
+             "targets": list(doc.get("targets") or {})}
+    problems = []
+    for i, c in enumerate(doc["decision"]["conditions"]):
+        where = f"decision.conditions[{i}] ({c['name']!r})"
+        if c["table"] == "speed" and c["column"] not in SPEED_COLUMNS | shape_keys:
+            problems.append(f"{where}: the speed table has no column {c['column']!r}; its columns: "
+                            f"{', '.join(sorted(SPEED_COLUMNS | shape_keys))}")
+        for key, value in (c.get("rows") or {}).items():
+            if c["table"] == "speed" and key not in SPEED_COLUMNS | shape_keys:
+                problems.append(f"{where}: rows filters on {key!r}, which the speed table has no column for")
+            names = known.get(ROW_FIELDS.get(key, ""))
+            if names and value not in names:
+                problems.append(f"{where}: rows names {key} {value!r}, which the study has none of; its "
+                                f"{ROW_FIELDS[key]}: {', '.join(names)}")
+    return problems
 
 
 def _names(value: str | list[str] | None) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -270,3 +271,18 @@ def test_a_quality_only_variant_is_built_and_evaluated_but_plans_no_timing_jobs(
     override.write_text("variants:\n  fp8: {timed: false}\n")
     with pytest.raises(qc.ConfigError, match="candidate names 'fp8', a quality-only variant"):
         qc.load_study(entry["spec"], entry["overrides"])
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(column="xx"), "the speed table has no column 'xx'; its columns: at_limit, backend"),
+    (lambda c: c.update(rows={"bacth": 1}), "rows filters on 'bacth', which the speed table has no column for"),
+    (lambda c: c.update(rows={"setting": "w1024"}), "rows names setting 'w1024', which the study has none of; "
+                                                    "its settings: "),
+])
+def test_a_decision_condition_that_names_nothing_stops_the_run(edit, message, tmp_path):
+    """A misspelt column or row filter finds no rows, which the decision would count as not met."""
+    doc = study_doc()
+    speed = next(c for c in doc["decision"]["conditions"] if c["table"] == "speed")
+    edit(speed)
+    with pytest.raises(qc.ConfigError, match=re.escape(message)):
+        load(doc, tmp_path)

@@ -732,3 +732,14 @@ def test_repeats_time_each_variant_in_separate_jobs_and_render_their_spread(work
     for r in fp8:
         assert f"| {render.times(r['x_jobs_min'])} to {render.times(r['x_jobs_max'])} ({render.pct(r['x_jobs_spread'])}) |" in readme
     assert json.loads((repo / "results/fnet/audit.json").read_text())["ok"]
+
+
+def test_the_speed_table_has_only_the_columns_a_decision_may_name(workflow_copy):
+    """config.SPEED_COLUMNS is what the config check lets a decision condition name: a column aggregate
+    adds must be listed there, or a condition on it would be refused."""
+    from quantstudy.config import SPEED_COLUMNS
+
+    tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
+    columns = {k for row in tables["speed"] for k in row}
+    assert {"x", "x_min", "variant_ms", "bound", "g", "status"} <= columns
+    assert columns - SPEED_COLUMNS == {"window"}  # the study's one shape key

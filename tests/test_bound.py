@@ -24,8 +24,12 @@ def test_bound_formula_on_known_cases():
 
 
 def test_at_limit_uses_the_declared_threshold():
-    assert bound.at_limit(1.30, 4 / 3, 0.9) is True  # 97.5% of the bound
-    assert bound.at_limit(1.10, 4 / 3, 0.9) is False  # 82.5%
+    """One x, 82.5% of its bound, on both sides of it as the threshold moves (the default is 0.9)."""
+    assert bound.at_limit(1.10, 4 / 3, 0.8) is True
+    assert bound.at_limit(1.10, 4 / 3, 0.9) is False
+    assert bound.at_limit(1.10, 4 / 3) is False
+    assert bound.at_limit(1.30, 4 / 3, 0.9) is True  # 97.5%
+    assert bound.at_limit(1.30, 4 / 3, 0.99) is False
     assert bound.at_limit(None, 4 / 3) is None
 
 
@@ -127,6 +131,7 @@ def test_the_bound_of_a_speed_row_from_its_gemm_and_profile_json():
     assert b["bound"] == pytest.approx(1.2) and b["at_limit"] is True  # 1.1 is 92% of 1.2
     assert b["f_source"] == "kernels.json" and b["g_source"] == "gemm.json" and b["bound_note"] is None
     assert aggregate._bound(ROW | {"x": 0.9}, gemms, kernels, "fp16", 0.9)["at_limit"] is False
+    assert aggregate._bound(ROW, gemms, kernels, "fp16", 0.95)["at_limit"] is False  # the study's threshold
     # No FP8 layer in the variant; a failed GEMM job; a failed baseline profile: each says so.
     assert aggregate._bound(ROW | {"variant": "fp16"}, gemms, kernels, "fp16", 0.9)["bound_note"] == "no FP8 layer"
     failed = {("cpu-torch", "m", "w128"): ("gemm.json", _gemm_doc("failed"))}

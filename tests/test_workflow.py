@@ -194,7 +194,11 @@ def test_every_speed_row_carries_its_bound_and_the_readme_shows_it(workflow_copy
 def test_noop_rerun_does_nothing(workflow_copy):
     proc = snakemake(workflow_copy, "-n", "--configfile", ".test/config.yaml")
     assert proc.returncode == 0
+    assert "Nothing to be done (all requested files are present and up to date)" in proc.stdout + proc.stderr
     assert planned_jobs(proc.stdout + proc.stderr) == []
+    # The same parser on the same run with one rule forced lists that rule's job and what follows it.
+    forced = snakemake(workflow_copy, "-n", "--configfile", ".test/config.yaml", "--forcerun", "render")
+    assert sorted(rule for rule, _ in planned_jobs(forced.stdout + forced.stderr)) == ["all", "audit", "render"]
 
 
 def test_changing_one_variant_reruns_only_its_chain(workflow_copy):

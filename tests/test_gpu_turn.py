@@ -4,6 +4,7 @@ again without waiting (a runner's capture inside evaluate's shared turn)."""
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import time
 
@@ -14,14 +15,28 @@ from quantstudy.timing import gpu_turn
 FORK = multiprocessing.get_context("fork")
 
 
+def _wait_for_closed_gate(lock, seconds: float = 10) -> None:
+    """Until another process holds the lock's gate alone: a measurement waiting for its turn."""
+    deadline = time.monotonic() + seconds
+    with open(lock.with_suffix(".gate"), "a") as gate:
+        while True:
+            try:
+                fcntl.flock(gate, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            if time.monotonic() > deadline:
+                raise TimeoutError("the measurement never closed the gate")
+            time.sleep(0.01)
+
+
 def _shared_work(lock, inside, measurement_waits, nested_done, released):
     with gpu_turn(lock, shared=True):
         inside.set()
         measurement_waits.wait(10)
-        time.sleep(0.3)  # the measurement is now blocked on the lock, its gate closed
+        _wait_for_closed_gate(lock)  # the measurement now waits for the lock, its gate closed
         with gpu_turn(lock, shared=True):  # as Runner._capture inside evaluate's turn
             nested_done.value = time.monotonic()
-        time.sleep(0.2)
         released.value = time.monotonic()
 
 

@@ -319,3 +319,21 @@ def test_logit_correlation_of_known_cases():
     # [1, 2, 3, 4] against [1, 2, 4, 3]: centred dot 4.0 over 5.0
     assert qm.logit_correlation(a, torch.tensor([[1.0, 2.0], [4.0, 3.0]])) == pytest.approx(0.8)
     assert qm.logit_correlation(a, torch.tensor([[1.0, float("nan")], [3.0, 4.0]])) is None
+
+
+def test_cls_cosine_min_is_the_worst_row_and_the_mean_their_mean():
+    """Three rows whose cosines with the reference are 1, 0 and 1/sqrt(2) (by hand): min 0, mean 0.569."""
+    ref = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
+    eng = torch.tensor([[2.0, 0.0], [0.0, 3.0], [1.0, 1.0]])
+    got = qm.cls_agreement(ref, eng)
+    assert got["cosine_min"] == pytest.approx(0.0, abs=1e-12)
+    assert got["cosine_mean"] == pytest.approx((1 + 0 + 1 / math.sqrt(2)) / 3)
+    # relative L2 per row: |(1,0)| = 1, |(-1,3)| = sqrt(10), |(0,1)| = 1; their mean
+    assert got["relative_error"] == pytest.approx((1 + math.sqrt(10) + 1) / 3) and got["rows"] == 3
+
+
+def test_the_quality_bar_passes_a_row_exactly_at_its_limit_and_fails_one_just_above():
+    """Relative L2 0.25 (by hand: (1, 0) against (1, 0.25)) is within a bar of 0.25, not of 0.2499."""
+    ref, eng = torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.25]])
+    assert qm.quality_bar(ref, eng, max_relative_l2=0.25)["passed"] == 1
+    assert qm.quality_bar(ref, eng, max_relative_l2=0.2499)["failed"] == 1

@@ -66,17 +66,19 @@ class Case:
         with torch.no_grad():
             self.expected = torch.cat([self.module(input_ids=self.ids[i:i + 1])["features"]
                                        for i in range(len(self.ids))]).float()
-        self._onnx = None
+        self._onnx: dict[int, str] = {}
 
     def fresh(self) -> torch.nn.Module:
         fam = families.get("fnet")
         model = fam.module(self.checkpoint, "main", self.setting)
         return quantization.apply_variant(model, self.spec, RECIPE, self.amax, fam.transforms())[0]
 
-    def onnx(self) -> str:
-        if self._onnx is None:
-            self._onnx = export.export(self.fresh(), {"input_ids": self.ids[:1]}, self.tmp / "onnx")["onnx"]
-        return self._onnx
+    def onnx(self, batch: int = 1) -> str:
+        """The variant exported at a static batch."""
+        if batch not in self._onnx:
+            self._onnx[batch] = export.export(self.fresh(), {"input_ids": self.ids[:batch]},
+                                              self.tmp / f"onnx-b{batch}")["onnx"]
+        return self._onnx[batch]
 
 
 @pytest.fixture(scope="module")
@@ -103,13 +105,13 @@ def _scrambled(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _run(name: str, case: Case, tmp) -> tuple[torch.Tensor, object]:
-    """Build the case's engine on a backend, open it at batch 1, run all inputs through it."""
+def _run(name: str, case: Case, tmp, batch: int = 1) -> tuple[torch.Tensor, object]:
+    """Build the case's engine on a backend at a static batch, open it, run all inputs through it."""
     backend = backend_or_skip(name)
     target = target_for(name)
-    example = {"input_ids": case.ids[:1]}
+    example = {"input_ids": case.ids[:batch]}
     if backend.builds_from == "onnx":
-        info = backend.build(case.onnx(), tmp, target, backends.Shapes((example,)))
+        info = backend.build(case.onnx(batch), tmp, target, backends.Shapes((example,)))
         runner = backend.open(tmp, example, target, None)
     else:
         info = backend.build(case.fresh(), tmp, target, backends.Shapes((example,)))
@@ -235,6 +237,19 @@ def test_runner_interface(backend, cases, tmp_path):
     out = runner({"input_ids": five})["features"].float().cpu()
     assert out.shape[0] == 5
     assert torch.equal(out[4], out[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_static_batch_of_3_runs_5_rows_in_two_chunks(backend, cases, tmp_path):
+    """An engine built at batch 3 runs 5 rows as 3 + 2 (the second chunk padded with its last row, the
+    pad dropped): each row's output is its own, as the module computes it row by row."""
+    case = cases("fnet-base", "fp8")
+    five = torch.cat([case.ids, case.ids[:1]])
+    _, runner = _run(backend, case, tmp_path, batch=3)
+    out = runner({"input_ids": five})["features"].float().cpu()
+    assert out.shape[0] == 5
+    expected = torch.cat([case.expected, case.expected[:1]])
+    assert (out - expected).abs().max() <= _tolerance(backend, case.spec)
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "tensorrt"])

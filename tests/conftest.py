@@ -118,9 +118,8 @@ def tiny_inputs(tmp_path_factory, test_run):
     steps.local_hub(study.family, cache_dir=cache, out=str(out / "local_hub.json"), **study.local_hub_specs())
     model = study.models["fnet-base"]
     steps.fetch_checkpoint(model.repo, model.revision, cache, True, test_run.weights, str(out / "checkpoint.json"))
-    spec = study.raw["samples"]["calibration"]
-    steps.fetch_dataset("calibration", spec, study.raw["datasets"][spec["dataset"]], study.family, cache, True,
-                        str(out / "checkpoint.json"), str(out / "calibration.json"))
+    steps.fetch_dataset("calibration", study.sample_spec("calibration"), study.sample_dataset("calibration"),
+                        study.family, cache, True, str(out / "checkpoint.json"), str(out / "calibration.json"))
     return {"dir": out, "study": study, "checkpoint": out / "checkpoint.json",
             "calibration": out / "calibration.json"}
 

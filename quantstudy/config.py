@@ -664,6 +664,18 @@ def _engine_problems(doc: dict[str, Any], models: dict[str, Model]) -> list[str]
     return problems
 
 
+def _metrics_and_seeds_problems(doc: dict[str, Any], family) -> list[str]:
+    """The study's `metrics` against its family's schema, and its `seeds` against the names the family
+    draws with (each required, no other): a misspelt key would otherwise be ignored, or read as a default."""
+    name = doc["family"]
+    problems = [f"metrics{''.join(f'.{p}' for p in e.absolute_path)}: {e.message} (the {name} family's metrics)"
+                for e in jsonschema.Draft202012Validator(family.metrics_schema).iter_errors(doc["metrics"])]
+    problems += [f"seeds.{s} is required: the {name} family draws with it" for s in family.seeds if s not in doc["seeds"]]
+    problems += [f"seeds.{s} is no seed the {name} family uses; its seeds: {', '.join(family.seeds) or 'none'}"
+                 for s in doc["seeds"] if s not in family.seeds]
+    return problems
+
+
 def _engine_fit(family, setting: Setting, engine: Setting, model: Model) -> list[str]:
     """Each input of the setting's graphs within the engine setting's: a static size equal, a
     dynamic one within the range the engine is built for."""
@@ -718,6 +730,7 @@ def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], varian
     problems = [f"variant {v.name!r} names unknown transform {t!r}; known transforms: {', '.join(sorted(known))}"
                 for v in variants.values() for t, _ in v.transforms if t not in known]
     problems += [p for s in settings.values() for p in family.check_setting(s)]
+    problems += _metrics_and_seeds_problems(doc, family)
     if problems or not match_layers:
         return problems
     for name in doc["settings"]:

@@ -286,3 +286,20 @@ def test_a_decision_condition_that_names_nothing_stops_the_run(edit, message, tm
     edit(speed)
     with pytest.raises(qc.ConfigError, match=re.escape(message)):
         load(doc, tmp_path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["metrics"].update(mask_fracton=0.15), "metrics: Additional properties are not allowed ('mask_fracton' "
+                                                       "was unexpected) (the fnet family's metrics)"),
+    (lambda d: d["metrics"].pop("stress_inputs"), "metrics: 'stress_inputs' is a required property"),
+    (lambda d: d["metrics"]["quality_bar"].update(max_cls_relative_l2="4%"), "metrics.quality_bar.max_cls_relative_l2: "
+                                                                            "'4%' is not of type 'number'"),
+    (lambda d: d["seeds"].pop("stress"), "seeds.stress is required: the fnet family draws with it"),
+    (lambda d: d["seeds"].update(strees=0), "seeds.strees is no seed the fnet family uses; its seeds: masking, stress"),
+])
+def test_metrics_and_seeds_are_checked_against_the_familys_declaration(edit, message, tmp_path):
+    """A misspelt metric would be ignored and a missing seed read as a default: both stop the run."""
+    doc = study_doc()
+    edit(doc)
+    with pytest.raises(qc.ConfigError, match=re.escape(message)):
+        load(doc, tmp_path)

@@ -87,6 +87,16 @@ class Evaluation:
         return sum(int(v["bad"]) for v in self.nonfinite.values())
 
 
+def metrics_schema(properties: dict[str, Any]) -> dict[str, Any]:
+    """A family's `metrics` schema: an object with exactly these keys, each required."""
+    return {"type": "object", "additionalProperties": False, "required": list(properties), "properties": properties}
+
+
+COUNT = {"type": "integer", "minimum": 1}
+SHARE = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+POSITIVE = {"type": "number", "exclusiveMinimum": 0}
+
+
 # A runner as the family sees it: run(inputs, what="", graph="main", whole=False) -> outputs. The
 # harness feeds any number of rows in the engine's batch (`whole`: all rows in one call).
 Run = Callable[..., dict[str, Any]]
@@ -98,6 +108,10 @@ class Family(Protocol):
 
     name: str
     kernel_groups: list[str]  # the write-up's kernel-time groups, in its table's order
+    # The study config's `metrics` block (a JSON schema: every key the family reads, none it does not)
+    # and `seeds` (every name the family reads; each is required), checked when a study is loaded.
+    metrics_schema: dict[str, Any]
+    seeds: tuple[str, ...]
     regions: dict[str, str]  # record_function region -> kernel group (eager torch profiles)
 
     # --- configuration and loading ---------------------------------------------------------

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from quantstudy import metrics as qm, quantization
-from quantstudy.families import register
+from quantstudy.families import base, register
 from quantstudy.families.base import Evaluation, Graph, Setting, TensorSpec
 
 log = logging.getLogger("quantstudy")
@@ -194,6 +194,10 @@ class DebertaV2:
     """Adapter: DeBERTa-v2/v3 as a token-feature encoder, one `main` graph per window and batch."""
 
     kernel_groups = KERNEL_GROUPS
+    metrics_schema = base.metrics_schema({
+        "mnli_labels": {"type": "array", "items": {"type": "string"}, "minItems": 2, "uniqueItems": True},
+        "one_token_inputs": base.COUNT, "stress_inputs": base.COUNT})
+    seeds = ("one_token", "stress")
     regions = REGIONS
 
     @staticmethod

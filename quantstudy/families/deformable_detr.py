@@ -223,6 +223,8 @@ class DeformableDetr:
     """Adapter: the Deformable DETR detector engine, its inputs, layer names and kernel groups."""
 
     kernel_groups = KERNEL_GROUPS
+    metrics_schema = base.metrics_schema({"score_threshold": base.SHARE, "match_iou": base.SHARE})
+    seeds = ()
     regions = REGIONS
 
     # --- configuration and loading -------------------------------------------------------

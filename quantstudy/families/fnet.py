@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from quantstudy.families import register
+from quantstudy.families import base, register
 from quantstudy.families.base import Evaluation, Graph, Setting, TensorSpec
 
 log = logging.getLogger("quantstudy")
@@ -145,6 +145,11 @@ class FNet:
 
     kernel_groups = KERNEL_GROUPS
     regions = REGIONS
+    metrics_schema = base.metrics_schema({
+        "mask_fraction": base.SHARE, "stress_inputs": base.COUNT, "nonfinite_batch": base.COUNT,
+        "fp16_max": base.POSITIVE,
+        "quality_bar": base.metrics_schema({"max_cls_relative_l2": base.POSITIVE, "sts_sentences": base.COUNT})})
+    seeds = ("masking", "stress")
     # GPU kernels that no recognised op launched (e.g. Triton GEMM templates), by name.
     kernel_patterns = [("FP8 feed-forward GEMMs", r"(e4m3|fp8|f8f8|qqtst)"),
                        ("other GEMMs", r"(gemm|hmma|xmma|cutlass|nvjet|triton_tem_.*mm)")]
@@ -373,7 +378,7 @@ class FNet:
         gold = [p["score"] for p in samples["sts"]]
         n_bar = metrics["quality_bar"]["sts_sentences"]
         bar = qm.quality_bar(reference["sts_cls"][:n_bar], sts[:n_bar, 0], metrics["quality_bar"]["max_cls_relative_l2"])
-        stress = self.stress_inputs(tok, setting["window"], metrics["stress_inputs"], seeds.get("stress", 0))
+        stress = self.stress_inputs(tok, setting["window"], metrics["stress_inputs"], seeds["stress"])
         stress_out = features(stress["input_ids"], "stress inputs")
         # One call at a larger batch than the engine's (the write-up's batch-of-8 scan).
         big = run({"input_ids": reference["heldout_ids"][:metrics["nonfinite_batch"]].long()}, "one batch",

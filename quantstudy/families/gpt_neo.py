@@ -187,6 +187,9 @@ class GPTNeo:
     """Adapter: GPT-Neo's prefill and decode engines, tiny checkpoints, chat and multiple-choice samples."""
 
     kernel_groups = KERNEL_GROUPS
+    metrics_schema = base.metrics_schema({"teacher_forced_tokens": base.COUNT, "decode_steps": base.COUNT,
+                                          "decode_tolerance": base.POSITIVE})
+    seeds = ()
     regions = REGIONS
     # GPU kernels that no recognised op launched (compiled or fused code), by name.
     kernel_patterns = [("FP8 projection GEMMs", r"(e4m3|fp8|f8f8)"),

@@ -214,6 +214,8 @@ class TimmXcit:
     """Adapter: a timm XCiT classifier as one static `main` engine per image size and batch."""
 
     kernel_groups = KERNEL_GROUPS
+    metrics_schema = base.metrics_schema({"stress_inputs": base.COUNT})
+    seeds = ("stress",)
     regions = REGIONS
     # GPU kernels that no recognised op launched (compiled code, TensorRT), by name; first match wins.
     kernel_patterns = [("FP8 GEMMs", r"(e4m3|fp8|f8f8|qqtst)"),
@@ -482,7 +484,7 @@ class TimmXcit:
             for other_name, other in (against or {}).items():
                 theirs = _logits(other, transform, rows, batch, f"{name} on {other_name}")
                 blocks[f"{name}_vs_{other_name}"] = qm.top1_agreement(theirs, logits)
-        stress = self.stress_inputs(metrics["stress_inputs"], seeds.get("stress", 0))
+        stress = self.stress_inputs(metrics["stress_inputs"], seeds["stress"])
         x = pixel_values(transform, stress["images"])
         out = run({"pixel_values": _whole_batches(x, batch)}, "stress inputs")["logits"][:len(x)].float()
         nonfinite["stress"] = {"bad": qm.nonfinite_rows(out), "of": out.shape[0], "kinds": sorted(set(stress["kinds"]))}

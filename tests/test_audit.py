@@ -17,6 +17,11 @@ def test_probes_agree_within_the_declared_share_of_their_largest_value():
     assert probes_differ(a, copy.deepcopy(a)) is None
     assert probes_differ(a, _probe([1.0, -2.0, 0.5 + 1e-4, None]), tolerance=1e-3) is None   # 1e-4 <= 2e-3
     assert "0.5 against 0.503" in probes_differ(a, _probe([1.0, -2.0, 0.503, None]), tolerance=1e-3)
+    # 0.0015 apart: beyond 1e-3 itself, within 1e-3 of the largest value, 2.0 (a limit not scaled would fail it)
+    assert probes_differ(a, _probe([1.0, -2.0, 0.5015, None]), tolerance=1e-3) is None
+    # 0.0025 apart: beyond 1e-3 of the largest value 2.0, within 1e-3 of a probe whose largest is 3.0
+    assert probes_differ(a, _probe([1.0, -2.0, 0.5025, None]), tolerance=1e-3) is not None
+    assert probes_differ(_probe([1.0, -2.0, 0.5, 3.0]), _probe([1.0, -2.0, 0.5025, 3.0]), tolerance=1e-3) is None
     assert "shape or non-finite count" in probes_differ(a, {"main": {"last_hidden_state": {
         **a["main"]["last_hidden_state"], "nonfinite": 1}}})
     assert "in one probe only" in probes_differ(a, {"main": {}})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -86,3 +87,33 @@ def test_amax_file_is_deterministic(tiny_inputs, tmp_path):
     assert len(docs[0]["recipe_layers"]) == 2 * 2  # intermediate.dense and output.dense of 2 layers
     assert all(v["input_amax"] > 0 for v in docs[0]["amax"].values())
     assert docs[0]["provenance"]["inputs"]["checkpoint"]["sha256"]
+
+
+def test_widen_scales_multiplies_each_fp8_layers_activation_amax():
+    """widen_scales {factor: 1.5}: every FP8 layer's activation scale is 1.5 x amax / 448; the weight
+    scale stays as it was (the amax values are set by hand)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    amax = {"amax": {"0": {"input_amax": 2.0, "weight_amax": 0.5}, "2": {"input_amax": 4.0, "weight_amax": 0.25}},
+            "outliers": {"layers": []}}
+    recipe = {"quantize": ["0", "2"], "dequantize_dtype": "float32"}
+    plain, _ = q.apply_variant(copy.deepcopy(model), {"precision": "float32", "transforms": [{"fp8": {}}]}, recipe, amax)
+    wide, summary = q.apply_variant(copy.deepcopy(model), {"precision": "float32", "transforms": [
+        {"fp8": {}}, {"widen_scales": {"factor": 1.5}}]}, recipe, amax)
+    assert summary["activation_scale_factor"] == 1.5
+    for name, input_amax in (("0", 2.0), ("2", 4.0)):
+        assert float(plain.get_submodule(name).input_scale) == pytest.approx(input_amax / 448)
+        assert float(wide.get_submodule(name).input_scale) == pytest.approx(1.5 * input_amax / 448)
+        assert float(wide.get_submodule(name).weight_scale) == float(plain.get_submodule(name).weight_scale)
+
+
+def test_a_transform_with_when_applies_only_at_the_settings_it_names():
+    """FNet's fp8 variant: hidden scaling `when: {window: [512]}` applies at 512 tokens only; fp8 at all."""
+    from quantstudy.config import Variant
+    from quantstudy.families.base import Setting
+
+    fp8 = Variant("fp8", "float16", (("fp8", {}), ("hidden_scaling", {"factor": 64, "when": {"window": [512]}})))
+    at = lambda window: fp8.spec(Setting(f"w{window}", 1, {"window": window}))["transforms"]
+    assert at(512) == [{"fp8": {}}, {"hidden_scaling": {"factor": 64}}]
+    assert at(128) == at(256) == [{"fp8": {}}]
+    assert not Variant("x", "float16", (("fp8", {"when": {"window": [512]}}),)).has_fp8(Setting("w128", 1, {"window": 128}))

@@ -747,3 +747,21 @@ def test_the_speed_table_has_only_the_columns_a_decision_may_name(workflow_copy)
     columns = {k for row in tables["speed"] for k in row}
     assert {"x", "x_min", "variant_ms", "bound", "g", "status"} <= columns
     assert columns - SPEED_COLUMNS == {"window"}  # the study's one shape key
+
+
+def test_x_is_the_baseline_time_over_the_variant_time_in_every_row(workflow_copy):
+    """x > 1 means the variant is faster: in each timing file x is the median of the baseline's rounds
+    over the median of the variant's (computed here), and each speed row keeps that direction."""
+    import statistics
+
+    tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
+    rows = [r for r in tables["speed"] if r["status"] == "ok"]
+    assert len(rows) >= 6
+    for r in rows:
+        timing = json.loads((workflow_copy / r["source"]).read_text())["graphs"][r["graph"]]
+        base, var = timing["baseline_ms"]["samples_ms"], timing["variant_ms"]["samples_ms"]
+        assert timing["x"] == pytest.approx(statistics.median(base) / statistics.median(var), rel=1e-12)
+        assert r["x"] == pytest.approx(r["baseline_ms"] / r["variant_ms"], rel=1e-12)
+        assert r["baseline_ms"] == pytest.approx(statistics.median(base), rel=1e-12)
+        if r["variant"] == r["baseline"]:
+            assert r["x"] == 1.0

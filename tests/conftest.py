@@ -14,6 +14,16 @@ ROOT = Path(__file__).resolve().parent.parent
 TEST_CONFIG = ROOT / ".test" / "config.yaml"
 
 
+def tiny_checkpoint(family, architecture: dict | str, folder: Path, tiny: dict | None = None) -> Path:
+    """A family's tiny checkpoint of `architecture` (a recorded one's name, or the dict) and its `tiny`
+    spec (default {"seed": 0}), written as files to `folder` and loaded from there like a real one."""
+    if isinstance(architecture, str):
+        architecture = qc.load_architecture(architecture)
+    for name, data in family.tiny_checkpoint_files(architecture, tiny or {"seed": 0}).items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
 def observed_amax(model, batches: list[dict]) -> dict:
     """An amax document from forward hooks: the per-tensor max of every linear layer's input (every
     call, over the batches) and weight, the statistic max calibration keeps. Tests of graphs use

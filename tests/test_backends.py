@@ -15,10 +15,10 @@ import dataclasses
 import pytest
 import torch
 
-from quantstudy import backends, config, export, families, quantization
+from quantstudy import backends, export, families, quantization
 from quantstudy.families.base import Setting
 
-from conftest import ON_GPU, backend_or_skip, observed_amax, target_for
+from conftest import ON_GPU, backend_or_skip, observed_amax, target_for, tiny_checkpoint
 
 RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
           "dequantize_dtype": "float16"}
@@ -46,10 +46,7 @@ def checkpoints(tmp_path_factory):
     fam = families.get("fnet")
     out = {}
     for model, (arch, tiny) in MODELS.items():
-        folder = tmp_path_factory.mktemp(model)
-        for name, data in fam.tiny_checkpoint_files(config.load_architecture(arch), tiny).items():
-            (folder / name).write_bytes(data)
-        out[model] = folder
+        out[model] = tiny_checkpoint(fam, arch, tmp_path_factory.mktemp(model), tiny)
     return out
 
 

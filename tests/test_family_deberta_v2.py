@@ -19,7 +19,7 @@ from quantstudy.backends import torch_backend
 from quantstudy.families.base import Setting
 from quantstudy.families.deberta_v2 import POSITIONS
 
-from conftest import observed_amax, skip_without_gpu
+from conftest import observed_amax, skip_without_gpu, tiny_checkpoint
 
 import onnx  # noqa: E402  (pinned: a broken install fails, it does not skip)
 import onnxruntime as ort  # noqa: E402
@@ -48,10 +48,7 @@ def checkpoints(tmp_path_factory):
     """The tiny checkpoints written as files, loaded like real ones."""
     out = {}
     for arch, seed in (("tiny-deberta-v3-base", 0), ("tiny-deberta-v3-large", 1), ("tiny-deberta-v3-base-mnli", 2)):
-        folder = tmp_path_factory.mktemp(arch)
-        for name, data in FAMILY.tiny_checkpoint_files(config.load_architecture(arch), {"seed": seed}).items():
-            (folder / name).write_bytes(data)
-        out[arch] = folder
+        out[arch] = tiny_checkpoint(FAMILY, arch, tmp_path_factory.mktemp(arch), {"seed": seed})
     return out
 
 

@@ -19,7 +19,7 @@ from quantstudy import config, export, families, quantization
 from quantstudy.families import base
 from quantstudy.families.deformable_detr import SIZE_MAX, SIZE_MIN, DetectorEngine, WeightedStackAttention, load_images
 
-from conftest import observed_amax
+from conftest import observed_amax, tiny_checkpoint
 
 # The write-up's recipe: FP8 for the encoder and decoder projections (72 of 100 linears at
 # real size); sampling offsets, attention weights and the heads stay fp16.
@@ -47,10 +47,7 @@ def fam():
 
 @pytest.fixture(scope="module")
 def checkpoint(fam, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-deformable-detr")
-    for name, data in fam.tiny_checkpoint_files(TINY, {"seed": 0}).items():
-        (folder / name).write_bytes(data)
-    return folder
+    return tiny_checkpoint(fam, TINY, tmp_path_factory.mktemp("tiny-deformable-detr"))
 
 
 # --- real size, on the meta device ------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from quantstudy import config, export, families, quantization, timing
 from quantstudy.families import base, gpt_neo
 
-from conftest import observed_amax
+from conftest import observed_amax, tiny_checkpoint
 
 import onnxruntime as ort  # noqa: E402  (pinned: a broken install fails, it does not skip)
 
@@ -45,10 +45,7 @@ def fam():
 @pytest.fixture(scope="module")
 def checkpoint(fam, tmp_path_factory):
     """The tiny checkpoint, written as files and loaded like a real one."""
-    folder = tmp_path_factory.mktemp("tiny-gpt-neo")
-    for name, data in fam.tiny_checkpoint_files(ARCH, {"seed": 0}).items():
-        (folder / name).write_bytes(data)
-    return folder
+    return tiny_checkpoint(fam, ARCH, tmp_path_factory.mktemp("tiny-gpt-neo"))
 
 
 def _cache(out: dict) -> dict:

@@ -19,7 +19,7 @@ from quantstudy import config, export, families, quantization  # noqa: E402
 from quantstudy.families.base import Family, Setting  # noqa: E402
 from quantstudy.families.timm_xcit import load_images  # noqa: E402
 
-from conftest import observed_amax
+from conftest import observed_amax, tiny_checkpoint
 
 RECIPE = {"quantize": ["blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc1", "blocks.*.mlp.fc2",
                        "cls_attn_blocks.*.attn.k", "cls_attn_blocks.*.attn.v"],
@@ -43,16 +43,9 @@ def fam():
     return families.get("timm_xcit")
 
 
-def _checkpoint(fam, architecture: dict, folder, seed: int):
-    """The family's tiny checkpoint files of `architecture`, written to `folder`."""
-    for name, data in fam.tiny_checkpoint_files(architecture, {"seed": seed}).items():
-        (folder / name).write_bytes(data)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def tiny(fam, tmp_path_factory):
-    return _checkpoint(fam, config.load_architecture("tiny-xcit-nano"), tmp_path_factory.mktemp("tiny"), seed=0)
+    return tiny_checkpoint(fam, "tiny-xcit-nano", tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +119,7 @@ def test_graph_module_equals_timm_on_its_other_paths(fam, tokens_norm, global_po
     pooling. A tiny checkpoint of that layout, one image."""
     arch = config.load_architecture("tiny-xcit-nano")
     arch = {**arch, "global_pool": global_pool, "model_args": {**arch["model_args"], "tokens_norm": tokens_norm}}
-    folder = _checkpoint(fam, arch, tmp_path, seed=1)
+    folder = tiny_checkpoint(fam, arch, tmp_path, {"seed": 1})
     x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = fam.load_reference(folder, torch.float32)(x)

@@ -553,10 +553,9 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
         "bound": {"at_limit": threshold, "definition": bound.DEFINITION,
                   "f_bases": {t: sorted({r["f_basis"] for r in _records(speed) if r.get("target") == t and r.get("f_basis")})
                               for t in targets}},
-        "spec": {**{k: study[k] for k in ("models", "settings", "datasets", "samples", "evaluation_samples", "recipe",
-                                          "variants", "baseline", "candidate", "timing", "evaluation", "metrics",
-                                          "decision")},
-                 "quality_against": study.get("quality_against", [])},
+        "spec": {k: study[k] for k in ("models", "settings", "datasets", "samples", "evaluation_samples", "recipe",
+                                       "variants", "baseline", "candidate", "timing", "evaluation", "metrics",
+                                       "decision", "quality_against")},
         "checkpoints": [{k: c[k] for k in ("repo", "revision", "weights", "source")} for c in checkpoints],
         "samples": samples,
         "speed": _records(speed), "quality": _records(quality), "builds": _records(builds),

@@ -167,12 +167,12 @@ def redrawn_problems(path: str, doc: dict[str, Any], family: str) -> list[str]:
             f"{theirs} ({len(differ)} of {len(recorded)} samples differ)"]
 
 
-def rederived_problems(tables_json: str | Path) -> list[str]:
-    """tables.json made again from the files and arguments its provenance names (aggregate.tables):
-    every table cell, decision and range that is not what those files give, by its place in the file."""
+def rederived_problems(tables_json: str | Path, doc: dict[str, Any]) -> list[str]:
+    """tables.json (`doc`, as read) made again from the files and arguments its provenance names
+    (aggregate.tables): every table cell, decision and range that is not what those files give, by
+    its place in the file."""
     from quantstudy import aggregate
 
-    doc = read_json(tables_json, "tables")
     if not isinstance(doc["provenance"]["params"].get("study"), dict):
         return [f"{tables_json} does not record the arguments it was made with (an older aggregate): rerun it: "
                 f"snakemake --forcerun aggregate {tables_json}"]
@@ -189,7 +189,8 @@ def check_chain(tables_json: str | Path) -> dict[str, Any]:
     steps = walk(tables_json)
     problems = [problem_text(s) for s in steps if s.get("problem")]
     # The root of the chain: every checkpoint and sample list was fetched at the revision the study pins.
-    spec = (steps[0].get("doc") or read_json(tables_json, "tables"))["spec"]  # the walk read it first
+    tables = steps[0].get("doc") or read_json(tables_json, "tables")  # the walk read it first
+    spec = tables["spec"]
     pins = {m["checkpoint"]["repo"]: m["checkpoint"]["revision"] for m in spec["models"].values()}
     pins |= {d["repo"]: d["revision"] for d in spec["datasets"].values()}
     for s in steps:
@@ -206,14 +207,17 @@ def check_chain(tables_json: str | Path) -> dict[str, Any]:
                 doc["provenance"]["rule"], []).append((s["path"], doc))
     for build, jobs in measured.items():
         problems += one_engine_problems(build, jobs.get("time", []), jobs.get("evaluate", []))
-    # Derived numbers, made again: x and ms from the round samples, the tables from their files.
-    for path, doc in dict((s["path"], s["doc"]) for s in steps if (s.get("doc") or {}).get("schema") == "timing").items():
-        problems += timing_problems(path, doc)
+    # Derived numbers, made again: x and ms from the round samples, the tables from their files, the
+    # sample lists from their datasets. The walk keeps each JSON's doc on its first step only.
+    read = [(s["path"], s["doc"]) for s in steps if s.get("doc")]
+    for path, doc in read:
+        if doc.get("schema") == "timing":
+            problems += timing_problems(path, doc)
     if not problems:  # aggregate reads every input: with one damaged, the chain's problems say which
-        problems += rederived_problems(tables_json)
-    family = (steps[0].get("doc") or read_json(tables_json, "tables"))["family"]
-    for path, doc in dict((s["path"], s["doc"]) for s in steps if (s.get("doc") or {}).get("schema") == "samples").items():
-        problems += redrawn_problems(path, doc, family)
+        problems += rederived_problems(tables_json, tables)
+    for path, doc in read:
+        if doc.get("schema") == "samples":
+            problems += redrawn_problems(path, doc, tables["family"])
     return {"files_checked": len({s["path"] for s in steps}), "problems": problems}
 
 

@@ -485,7 +485,7 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
             problems.append(f"{role} names {name!r}, a quality-only variant (timed: false): it must be timed")
     for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),
                        *[(f"baseline.by_setting.{s}", n) for s, n in doc["baseline"].get("by_setting", {}).items()],
-                       *[("quality_against", n) for n in doc.get("quality_against", [])],
+                       *[("quality_against", n) for n in doc["quality_against"]],
                        *[(f"decision.conditions[{i}].relative_to", c["relative_to"])
                          for i, c in enumerate(doc["decision"]["conditions"]) if "relative_to" in c]]:
         if name not in variants:
@@ -502,7 +502,7 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
             if s in settings and base not in kept:
                 problems.append(f"targets.{target}.variants leaves out {base!r}, the baseline of setting {s!r}")
         problems += [f"targets.{target}.variants leaves out {v!r}, which quality_against names"
-                     for v in doc.get("quality_against", []) if v in variants and v not in kept]
+                     for v in doc["quality_against"] if v in variants and v not in kept]
     for name in doc["baseline"].get("by_setting", {}):
         if name not in settings:
             problems.append(f"baseline.by_setting names unknown setting {name!r}; settings: {', '.join(settings)}")
@@ -548,17 +548,17 @@ ROW_FIELDS = {"target": "targets", "model": "models", "setting": "settings", "va
 def _condition_problems(doc: dict[str, Any]) -> list[str]:
     """Decision conditions whose column or row filter names nothing: such a condition finds no rows,
     and the decision counts it as not met, a changed answer instead of an error."""
-    shape_keys = {k for s in doc["settings"].values() for k in s if k not in ("engine", "quality")}
+    speed_columns = SPEED_COLUMNS | {k for s in doc["settings"].values() for k in s if k not in ("engine", "quality")}
     known = {"models": list(doc["models"]), "settings": list(doc["settings"]), "variants": list(doc["variants"]),
              "targets": list(doc.get("targets") or {})}
     problems = []
     for i, c in enumerate(doc["decision"]["conditions"]):
         where = f"decision.conditions[{i}] ({c['name']!r})"
-        if c["table"] == "speed" and c["column"] not in SPEED_COLUMNS | shape_keys:
+        if c["table"] == "speed" and c["column"] not in speed_columns:
             problems.append(f"{where}: the speed table has no column {c['column']!r}; its columns: "
-                            f"{', '.join(sorted(SPEED_COLUMNS | shape_keys))}")
+                            f"{', '.join(sorted(speed_columns))}")
         for key, value in (c.get("rows") or {}).items():
-            if c["table"] == "speed" and key not in SPEED_COLUMNS | shape_keys:
+            if c["table"] == "speed" and key not in speed_columns:
                 problems.append(f"{where}: rows filters on {key!r}, which the speed table has no column for")
             names = known.get(ROW_FIELDS.get(key, ""))
             if names and value not in names:

@@ -121,17 +121,20 @@ def test_run() -> qc.Run:
 
 @pytest.fixture(scope="session")
 def tiny_inputs(tmp_path_factory, test_run):
-    """Tiny checkpoint and calibration samples in a fresh local HF cache (local_hub, fetch_*)."""
+    """Tiny checkpoint and every sample list of the test study, from a fresh local HF cache (local_hub, fetch_*)."""
     out = tmp_path_factory.mktemp("tiny")
     study = test_run.studies["fnet"]
     cache = str(out / "hf-cache")
     steps.local_hub(study.family, cache_dir=cache, out=str(out / "local_hub.json"), **study.local_hub_specs())
     model = study.models["fnet-base"]
     steps.fetch_checkpoint(model.repo, model.revision, cache, True, test_run.weights, str(out / "checkpoint.json"))
-    steps.fetch_dataset("calibration", study.sample_spec("calibration"), study.sample_dataset("calibration"),
-                        study.family, cache, True, str(out / "checkpoint.json"), str(out / "calibration.json"))
+    samples = {}  # every sample set of the study: {name: its sample list's path}
+    for name in ("calibration", *study.evaluation_samples):
+        samples[name] = out / f"{name}.json"
+        steps.fetch_dataset(name, study.sample_spec(name), study.sample_dataset(name), study.family, cache, True,
+                            str(out / "checkpoint.json"), str(samples[name]))
     return {"dir": out, "study": study, "checkpoint": out / "checkpoint.json",
-            "calibration": out / "calibration.json"}
+            "calibration": samples["calibration"], "samples": samples}
 
 
 def pytest_terminal_summary(terminalreporter):

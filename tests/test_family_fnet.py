@@ -25,13 +25,8 @@ def fam():
 @pytest.fixture(scope="module")
 def evaluation_inputs(tiny_inputs, fam):
     """The tiny checkpoint's snapshot, the held-out and STS sample lists, and the reference on them."""
-    study, folder = tiny_inputs["study"], tiny_inputs["dir"]
-    samples = {}
-    for name in ("heldout", "sts"):
-        out = folder / f"{name}.json"
-        steps.fetch_dataset(name, study.sample_spec(name), study.sample_dataset(name), study.family,
-                            str(folder / "hf-cache"), True, str(tiny_inputs["checkpoint"]), str(out))
-        samples[name] = steps.read_samples(out, study.family)
+    study = tiny_inputs["study"]
+    samples = {name: steps.read_samples(tiny_inputs["samples"][name], study.family) for name in ("heldout", "sts")}
     snapshot = json.loads(tiny_inputs["checkpoint"].read_text())["snapshot"]
     tensors, _ = fam.reference(snapshot, samples, SETTING, study.metrics, study.seeds, "cpu")
     return {"snapshot": snapshot, "samples": samples, "reference": tensors, "study": study}

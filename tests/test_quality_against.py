@@ -26,14 +26,9 @@ def ident(variant: str) -> dict:
 def measured(tiny_inputs, tmp_path_factory):
     """fp16, fp32 and a failed build of the tiny FNet, and the reference at 64 tokens."""
     out, study = tmp_path_factory.mktemp("against"), tiny_inputs["study"]
-    checkpoint, cache = str(tiny_inputs["checkpoint"]), str(tiny_inputs["dir"] / "hf-cache")
-    samples = {}
-    for name in study.raw["evaluation_samples"]:
-        spec = study.raw["samples"][name]
-        samples[name] = str(out / f"{name}.json")
-        steps.fetch_dataset(name, spec, study.raw["datasets"][spec["dataset"]], study.family, cache, True,
-                            checkpoint, samples[name])
-    steps.reference("fnet", "fnet-base", SETTING, study.raw["metrics"], study.raw["seeds"], checkpoint, samples,
+    checkpoint = str(tiny_inputs["checkpoint"])
+    samples = {name: str(tiny_inputs["samples"][name]) for name in study.evaluation_samples}
+    steps.reference("fnet", "fnet-base", SETTING, study.metrics, study.seeds, checkpoint, samples,
                     str(out / "reference.json"), str(out / "reference.safetensors"))
     builds = {}
     for variant, spec in SPECS.items():
@@ -45,7 +40,7 @@ def measured(tiny_inputs, tmp_path_factory):
 
 def evaluate(m, variant: str, against: dict[str, str], out) -> dict:
     study = m["study"]
-    steps.evaluate(ident(variant), "fnet", TARGET, SETTING, study.recipe, study.raw["metrics"], study.raw["seeds"],
+    steps.evaluate(ident(variant), "fnet", TARGET, SETTING, study.recipe, study.metrics, study.seeds,
                    m["checkpoint"], m["builds"][variant], str(m["out"] / "reference.json"),
                    str(m["out"] / "reference.safetensors"), m["samples"], str(out), against_builds=against)
     return json.loads(out.read_text())

@@ -360,7 +360,8 @@ def condition(spec: dict[str, Any], rows: pd.DataFrame) -> dict[str, Any]:
     threshold = spec["threshold"]
     return {"name": spec["name"], "column": column, "reduce": spec["reduce"], "compare": spec["compare"],
             "observed": observed, "threshold": int(threshold) if float(threshold).is_integer() else threshold,
-            "pass": bool(met), "note": note, "rows": dict(spec.get("rows") or {})}
+            "pass": bool(met), "note": note, "rows": dict(spec.get("rows") or {}), "n": len(present),
+            "basis": spec.get("basis"), "samples": spec.get("samples")}
 
 
 # What makes two rows of a table the same measurement of two variants.
@@ -383,12 +384,16 @@ def relative(frame: pd.DataFrame, column: str, other: str, candidate: str) -> pd
     return joined.drop(columns="_other")
 
 
-def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame]) -> dict[str, Any]:
+def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame], baselines: dict[str, str]) -> dict[str, Any]:
     """Apply the study's decision rule to the candidate variant's rows; every condition is shown.
 
     A condition with `relative_to: <variant>` compares each candidate row's value over that
     variant's on the same row (`relative`): "KL at most 10 x the fp16 engine's". Beyond the study's
     conditions, every measurement of the candidate must have succeeded.
+
+    A quality condition is also applied to each setting's baseline (`baseline`: what it observes
+    and whether the baseline would meet it), so that a bar the baseline misses as well is seen as
+    the bar's, not the candidate's. A speed condition has none: x is measured against the baseline.
     """
     cand = study["candidate"]
     mine = {name: frame[frame.variant == cand] if "variant" in frame else frame for name, frame in tables.items()}
@@ -397,13 +402,24 @@ def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame]) -> dict[str, 
         if "relative_to" in c:
             column = f"{c['column']} / {c['relative_to']}"
             result = condition({**c, "column": column}, relative(tables[c["table"]], c["column"], c["relative_to"], cand))
-            conditions.append({**result, "relative_to": c["relative_to"]})
+            conditions.append({**result, "relative_to": c["relative_to"], "baseline": None})
+            continue
+        result = condition(c, mine[c["table"]])
+        frame = tables[c["table"]]
+        if c["table"] == "quality" and len(frame):
+            theirs = frame[frame.variant == frame.setting.map(baselines)]
+            base = condition(c, theirs)
+            result["baseline"] = {"variants": sorted(set(theirs.variant)), "observed": base["observed"],
+                                  "n": base["n"], "pass": base["pass"]}
         else:
-            conditions.append(condition(c, mine[c["table"]]))
+            result["baseline"] = None
+        conditions.append(result)
     failed = [src for f in mine.values() if "status" in f for src in f[f.status != "ok"].source]
     if failed:
         conditions.append({"name": "every measurement of the candidate succeeded", "observed": len(failed),
-                           "threshold": 0, "pass": False, "note": "failed: " + ", ".join(sorted(set(failed)))})
+                           "threshold": 0, "pass": False, "note": "failed: " + ", ".join(sorted(set(failed))),
+                           "basis": "every study: a candidate with a failed measurement is not judged on the rest",
+                           "baseline": None, "n": len(failed), "samples": None, "rows": {}})
     return {"candidate": cand, "ship": all(c["pass"] for c in conditions), "conditions": conditions}
 
 
@@ -560,7 +576,7 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
         "samples": samples,
         "speed": _records(speed), "quality": _records(quality), "builds": _records(builds),
         "kernels": _records(kernels), "records": _records(records), "references": references, "calibration": calibration,
-        "decision": decide(study, {"speed": speed, "quality": quality}), "damaged": damaged,
+        "decision": decide(study, {"speed": speed, "quality": quality}, baselines), "damaged": damaged,
         "published": published_rows,
         "published_from": None if published is None else {k: published[k] for k in ("file", "seed", "weights", "runs",
                                                                                       "tolerances")}}

@@ -564,6 +564,10 @@ def _condition_problems(doc: dict[str, Any]) -> list[str]:
             if names and value not in names:
                 problems.append(f"{where}: rows names {key} {value!r}, which the study has none of; its "
                                 f"{ROW_FIELDS[key]}: {', '.join(names)}")
+        for name in c.get("samples", []):
+            if name not in doc["samples"]:
+                problems.append(f"{where}: samples names {name!r}, which the study has no sample list of; its "
+                                f"sample lists: {', '.join(doc['samples'])}")
     return problems
 
 

@@ -239,7 +239,8 @@ def test_a_relative_condition_must_name_a_variant(tmp_path):
     doc = study_doc()
     doc["decision"]["conditions"].append({"name": "top-1 within 1.01 x fp16's", "table": "quality",
                                           "column": "mlm.top1_agreement", "relative_to": "fp61", "reduce": "min",
-                                          "compare": ">=", "threshold": 0.99})
+                                          "compare": ">=", "threshold": 0.99,
+                                          "basis": "a test"})
     with pytest.raises(qc.ConfigError, match=r"decision.conditions\[\d+\].relative_to names unknown variant 'fp61'"):
         load(doc, tmp_path)
     doc["decision"]["conditions"][-1]["relative_to"] = "fp16"
@@ -278,6 +279,9 @@ def test_a_quality_only_variant_is_built_and_evaluated_but_plans_no_timing_jobs(
     (lambda c: c.update(rows={"bacth": 1}), "rows filters on 'bacth', which the speed table has no column for"),
     (lambda c: c.update(rows={"setting": "w1024"}), "rows names setting 'w1024', which the study has none of; "
                                                     "its settings: "),
+    (lambda c: c.update(samples=["heldot"]), "samples names 'heldot', which the study has no sample list of; "
+                                             "its sample lists: "),
+    (lambda c: c.pop("basis"), "'basis' is a required property"),
 ])
 def test_a_decision_condition_that_names_nothing_stops_the_run(edit, message, tmp_path):
     """A misspelt column or row filter finds no rows, which the decision would count as not met."""

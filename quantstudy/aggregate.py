@@ -361,7 +361,8 @@ def condition(spec: dict[str, Any], rows: pd.DataFrame) -> dict[str, Any]:
     return {"name": spec["name"], "column": column, "reduce": spec["reduce"], "compare": spec["compare"],
             "observed": observed, "threshold": int(threshold) if float(threshold).is_integer() else threshold,
             "pass": bool(met), "note": note, "rows": dict(spec.get("rows") or {}), "n": len(present),
-            "basis": spec.get("basis"), "samples": spec.get("samples")}
+            "basis": spec.get("basis"), "samples": spec.get("samples"), "units": spec.get("units"),
+            "table": spec["table"]}
 
 
 # What makes two rows of a table the same measurement of two variants.

@@ -227,7 +227,7 @@ def findings(tables_json: str | Path, readme: str | Path) -> tuple[bool, dict[st
     from quantstudy import render
 
     tables = read_json(tables_json, "tables")
-    readme_matches = render.render_section(tables) == Path(readme).read_text()
+    readme_matches = render.render_section(tables, readme) == Path(readme).read_text()
     chain = check_chain(tables_json)
     if not readme_matches:
         chain["problems"].insert(0, f"{readme} is not what the templates render from {tables_json}")
@@ -265,7 +265,8 @@ def find_number(tables: dict[str, Any], text: str) -> list[dict[str, Any]]:
 
     # render.like prints a published number's neighbours in its notation: fixed or e, any precision.
     formats = (render.ms, render.times, render.pct, render.sci, render.num, render.count,
-               *(lambda v, d=d: f"{v:.{d}f}" for d in range(7)), *(lambda v, d=d: f"{v:.{d}e}" for d in range(4)))
+               *(lambda v, d=d: f"{v:.{d}f}" for d in range(7)), *(lambda v, d=d: f"{v:.{d}e}" for d in range(4)),
+               *(lambda v, d=d: f"{100 * v:.{d}f}%" for d in range(3)))  # render.pct_of: a sample's precision
     text = text.strip().lstrip("+")  # a difference is shown signed
     want = text.rstrip("x%").replace(",", "") if not text.endswith("%") else text
     hits = []

@@ -36,3 +36,37 @@ def planned_jobs(dry_run_output: str) -> list[tuple[str, dict[str, str]]]:
             wildcards = dict(kv.split("=", 1) for kv in w.group(1).split(", ")) if w else {}
             jobs.append((m.group(1), wildcards))
     return jobs
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)|(?:href|src)=\"([^\"]+)\"")
+
+
+def dead_links(markdown: str | Path) -> list[str]:
+    """The relative links and images of a Markdown file whose target file does not exist (anchors
+    ignored): what a reader who clicks it would not find."""
+    markdown = Path(markdown)
+    dead = []
+    for match in LINK.finditer(markdown.read_text()):
+        target = (match.group(1) or match.group(2)).split("#", 1)[0]
+        if not target or re.match(r"[a-z][a-z0-9+.-]*:", target):  # an anchor, a URL, a data URI
+            continue
+        if not (markdown.parent / target).exists():
+            dead.append(target)
+    return dead
+
+
+def malformed_tables(markdown: str) -> list[str]:
+    """The rows of the Markdown tables in `markdown` whose cell count differs from their header's
+    (a row run into the next, a missing cell): each as `line N: expected, found`."""
+    def cells(line: str) -> int:
+        return len(re.split(r"(?<!\\)\|", line.strip())) - 2
+
+    problems, header = [], None
+    for n, line in enumerate(markdown.splitlines(), 1):
+        if not line.startswith("|"):
+            header = None
+        elif header is None:
+            header = cells(line)
+        elif cells(line) != header:
+            problems.append(f"line {n}: {header} cells expected, {cells(line)} found")
+    return problems

@@ -3,10 +3,13 @@
 Reads tables.json only, like render (no torch, no backend). x is the speed-up measured side by
 side (baseline time / variant time, bars: the range over the paired rounds); y is the study's
 main quality metric: the column of the first per-row quality condition of its decision rule
-(table quality, reduce min or max), so the plot knows no family. One panel per target, a colour
-per variant, a marker per model and setting, the decision's thresholds as dashed lines. A
-measurement that failed or gave no finite value is not dropped: a red cross on the edge of the
-axis it lacks, and a line under the panels naming it and its error.
+(table quality, reduce min or max), in the units the README prints it in, so the plot knows no
+family. One panel per target; each variant has one colour in every study, each model and setting a
+marker; the candidate is drawn filled, the other variants hollow. The region where the decision's
+speed and quality thresholds are both met is shaded. The x axis spans the candidate and the other
+reduced-precision variants: an fp32 point beyond it is named on the panel's edge. A measurement
+that failed or gave no finite value is not placed on the axes: each panel names its failures in
+red, and the lines under the panels give each one's error.
 
     python -m quantstudy.plots results/<study>/tables.json [--out PNG]   # default: beside it
 """
@@ -24,20 +27,30 @@ from typing import Any
 
 from quantstudy.artifacts import atomic_write, read_json
 from quantstudy.config import main_quality_condition
-from quantstudy.render import PLOT, by_graph, shape_label
+from quantstudy.render import PLOT, by_graph, condition_units, shape_label
 
 log = logging.getLogger("quantstudy")
 
-DPI = 100
+DPI = 200  # reads when printed: a 9 pt note is 25 pixels high
 PANEL_INCHES = (4.6, 4.0)  # one target's panel
 LEGEND_INCHES = 2.6  # the legends' column, right of the panels
-NOTE_LINE_INCHES = 0.17
+NOTE_LINE_INCHES = 0.2
 HEAD_INCHES = 0.9  # the title lines and the panel titles
 FOOT_INCHES = 0.25  # below the x label, before the note
 MARKERS = "osD^vP*Xph<>"
 FAILED = "#d62728"  # matplotlib's C3: no variant gets it, so red means failed
-VARIANT_COLOURS = ("C0", "C1", "C2", "C4", "C5", "C6", "C8", "C9", "C7")
-NOTE_CHARS = 150  # a note line's length: an error is cut to it, a list wraps
+SHIP = "#2ca02c"  # the shaded region where both thresholds are met
+# One colour per variant name in every study: the common ones fixed, any other from the rest of
+# the palette by a hash of its name (the same name, the same colour, in any study and run).
+VARIANT_COLOURS = {"fp32": "#1f77b4", "fp16": "#555555", "fp8": "#ff7f0e"}
+OTHER_COLOURS = ("#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#aec7e8", "#ffbb78")
+
+
+def variant_colour(name: str) -> str:
+    import zlib
+
+    return VARIANT_COLOURS.get(name) or OTHER_COLOURS[zlib.crc32(name.encode()) % len(OTHER_COLOURS)]
+NOTE_CHARS = 130  # a note line's length: an error is cut to it, a list wraps
 
 
 def speed_condition(conditions: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -83,7 +96,7 @@ def points(tables: dict[str, Any]) -> tuple[list[Point], dict[str, list[str]]]:
     out, speed_only = [], []
     for (target, model, setting, graph), variants in by_graph(tables["speed"]).items():
         if not any((target, model, setting, v) in quality for v in variants):
-            speed_only.append(f"{target}: {model}, {setting}")
+            speed_only.append(f"{target}: {model}, {_setting_label(setting, tables['spec']['settings'])}")
             continue
         for variant, s in variants.items():
             q = quality.get((target, model, setting, variant), {"status": "not evaluated", "error": "no quality row"})
@@ -93,7 +106,8 @@ def points(tables: dict[str, Any]) -> tuple[list[Point], dict[str, list[str]]]:
             has_x = x is not None
             out.append(Point(target, model, setting, graph, variant, x, _finite(s.get("x_min")) if has_x else None,
                              _finite(s.get("x_max")) if has_x else None, y, problem))
-    quality_only = sorted({f"{t}: {m}, {s}" for t, m, s, _ in quality if (t, m, s) not in timed})
+    quality_only = sorted({f"{t}: {m}, {_setting_label(s, tables['spec']['settings'])}" for t, m, s, _ in quality
+                           if (t, m, s) not in timed})
     return out, {"speed only (no quality run at this setting)": sorted(set(speed_only)),
                  "quality only (not timed)": quality_only}
 
@@ -132,92 +146,114 @@ def _notes(pts: list[Point], by_design: dict[str, list[str]], settings: dict[str
     return lines
 
 
+def _x_limits(pts: list[Point], thresholds: list[float]) -> tuple[float, float]:
+    """The x span: every non-fp32 point with its round range, 1 and the speed threshold, with a margin.
+    fp32 (x up to 6 against fp16) would crowd the reduced-precision points around 1."""
+    xs = [v for p in pts if p.variant != "fp32" and p.x is not None for v in (p.x, p.x_min, p.x_max) if v is not None]
+    xs += [1.0, *thresholds]
+    lo, hi = min(xs), max(xs)
+    pad = 0.08 * (hi - lo or 1.0)
+    return lo - pad, hi + pad
+
+
 def figure(tables: dict[str, Any]):
     """The study's speed-vs-quality figure and the points it shows."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
-    from matplotlib.transforms import blended_transform_factory
+    from matplotlib.patches import Patch
 
     spec, settings = tables["spec"], tables["spec"]["settings"]
     conditions = spec["decision"]["conditions"]
     qcond, scond = main_quality_condition(spec["decision"]), speed_condition(conditions)
-    column = qcond["column"]
+    scale = 100.0 if condition_units(qcond).startswith("percent") else 1.0  # the README's units
+    unit = " (%)" if scale == 100.0 else ""
     pts, by_design = points(tables)
     targets = [t for t in tables["targets"] if any(p.target == t for p in pts)] or list(tables["targets"])[:1]
     several = len({p.graph for p in pts if p.graph}) > 1
+    candidate = spec["candidate"]
     variants = [v for v in spec["variants"] if any(p.variant == v for p in pts)]
     series = list(dict.fromkeys(_series_label(p, settings, several) for p in pts))
-    colour = {v: VARIANT_COLOURS[i % len(VARIANT_COLOURS)] for i, v in enumerate(variants)}
     marker = {s: MARKERS[i % len(MARKERS)] for i, s in enumerate(series)}
-    notes = _notes(pts, by_design, settings, several)
+    x_lo, x_hi = _x_limits(pts, [scond["threshold"]] if scond else [])
+    off_axis = {t: [p for p in pts if p.target == t and p.x is not None and p.y is not None and not x_lo <= p.x <= x_hi]
+                for t in targets}  # named under the panels, not drawn off scale
+    notes = _notes(pts, by_design, settings, several) + [
+        line for t, beyond in off_axis.items() if beyond for line in textwrap.wrap(
+            f"{t}, beyond the x axis: " + "; ".join(f"{p.variant} {_series_label(p, settings, several)} x {p.x:.2f}"
+                                                    for p in beyond), NOTE_CHARS, subsequent_indent="    ")]
 
     width = PANEL_INCHES[0] * len(targets) + LEGEND_INCHES
-    panel_bottom = FOOT_INCHES + NOTE_LINE_INCHES * len(notes) + 0.55  # the x label sits in this margin
+    panel_bottom = FOOT_INCHES + NOTE_LINE_INCHES * len(notes) + 0.6  # the x label sits in this margin
     height = HEAD_INCHES + PANEL_INCHES[1] + panel_bottom
     fig = Figure(figsize=(width, height), dpi=DPI)
-    fig.subplots_adjust(left=0.85 / width, right=1 - (LEGEND_INCHES + 0.1) / width,
+    fig.subplots_adjust(left=0.95 / width, right=1 - (LEGEND_INCHES + 0.1) / width,
                         bottom=panel_bottom / height, top=1 - HEAD_INCHES / height, wspace=0.08)
     axes = fig.subplots(1, len(targets), sharey=True, squeeze=False)[0]
 
-    ys = [p.y for p in pts if p.y is not None]
+    ys = [p.y * scale for p in pts if p.y is not None]
     log_y = bool(ys) and min(ys) > 0 and max(ys) / min(ys) >= 100  # errors spanning decades (fp32 to fp8)
     higher_better = qcond["compare"] in (">=", ">")
+    q_threshold = qcond["threshold"] * scale
     for ax, target in zip(axes, targets):
         mine = [p for p in pts if p.target == target]
         for p in mine:
-            if p.x is None or p.y is None:
+            if p.x is None or p.y is None or p in off_axis[target]:
                 continue
             # clamped: an x outside its rounds' range (a median of jobs, or an edited file) still plots
             err = ([[max(0.0, p.x - p.x_min)], [max(0.0, p.x_max - p.x)]]
                    if p.x_min is not None and p.x_max is not None else None)
-            ax.errorbar([p.x], [p.y], xerr=err, fmt=marker[_series_label(p, settings, several)], ms=7,
-                        mfc="none", mec=colour[p.variant], ecolor=colour[p.variant], elinewidth=0.8, capsize=2,
-                        mew=1.4, zorder=3)
+            c = variant_colour(p.variant)
+            ax.errorbar([p.x], [p.y * scale], xerr=err, fmt=marker[_series_label(p, settings, several)],
+                        ms=8 if p.variant == candidate else 6, mfc=c if p.variant == candidate else "none", mec=c,
+                        ecolor=c, elinewidth=0.8, capsize=2, mew=1.3, zorder=4 if p.variant == candidate else 3)
+        ax.set_xlim(x_lo, x_hi)
+        if log_y:
+            ax.set_yscale("log")
+        ax.margins(y=0.12)
         ax.axvline(1.0, color="0.55", lw=0.8, zorder=1)
         if scond:
             ax.axvline(scond["threshold"], color="0.3", ls="--", lw=1, zorder=2)
-        ax.axhline(qcond["threshold"], color="0.3", ls=":", lw=1.2, zorder=2)
-        if log_y:
-            ax.set_yscale("log")
-        # A failure keeps its place: on the edge of the axis it has no value for.
-        for p in mine:
-            if p.x is not None and p.y is None:
-                ax.plot([p.x], [0.03], "x", color=FAILED, ms=9, mew=2, clip_on=False, zorder=4,
-                        transform=blended_transform_factory(ax.transData, ax.transAxes))
-            elif p.x is None and p.y is not None:
-                ax.plot([0.03], [p.y], "x", color=FAILED, ms=9, mew=2, clip_on=False, zorder=4,
-                        transform=blended_transform_factory(ax.transAxes, ax.transData))
-        if any(p.x is None and p.y is None for p in mine):
-            ax.plot([0.03], [0.03], "x", color=FAILED, ms=9, mew=2, clip_on=False, zorder=4, transform=ax.transAxes)
+        ax.axhline(q_threshold, color="0.3", ls=":", lw=1.2, zorder=2)
+        # The ship region, where a point meets both thresholds: shaded under the points.
+        y_lo, y_hi = ax.get_ylim()
+        x_from = scond["threshold"] if scond else x_lo
+        ax.fill_between([x_from, x_hi], *((q_threshold, y_hi) if higher_better else (y_lo, q_threshold)),
+                        color=SHIP, alpha=0.12, lw=0, zorder=0)
+        ax.set_ylim(y_lo, y_hi)
+        failed = [p for p in mine if p.problem]
+        if failed:  # failures keep no place on the axes: named in the panel, their errors below
+            ax.text(0.02, 0.98, "failed, not plotted:\n" + "\n".join(
+                f"{p.variant} {_series_label(p, settings, several)}" for p in failed),
+                transform=ax.transAxes, ha="left", va="top", fontsize=7, color=FAILED)
         tg = tables["targets"][target]
         ax.set_title(f"{target}: {tg['backend']}{' ' + tg['version'] if tg.get('version') else ''} "
                      f"on {tg.get('gpu') or tg.get('device')}", fontsize=10)
-        ax.set_xlabel("x = baseline time / variant time\n(median; bars: range over the rounds)", fontsize=9)
+        ax.set_xlabel("speed-up x = baseline time / variant time\n(median; bars: range over the rounds)", fontsize=9)
         ax.grid(True, which="major", color="0.92", zorder=0)
         ax.tick_params(labelsize=8)
-        ax.margins(x=0.12, y=0.1)
-    axes[0].set_ylabel(f"{column}\n({'higher' if higher_better else 'lower'} is better)", fontsize=9)
+    axes[0].set_ylabel(_wrap(f"{qcond['name']}{unit}") + f"\n({'higher' if higher_better else 'lower'} is better)",
+                       fontsize=9)
 
-    handles = [Line2D([], [], ls="none", marker="o", mfc="none", mec=colour[v], mew=1.4, label=v) for v in variants]
+    handles = [Line2D([], [], ls="none", marker="o", mfc=variant_colour(v) if v == candidate else "none",
+                      mec=variant_colour(v), mew=1.3, label=f"{v} (candidate)" if v == candidate else v) for v in variants]
     handles += [Line2D([], [], ls="none", marker=marker[s], mfc="none", mec="0.2", mew=1.2, label=s) for s in series]
-    handles += [Line2D([], [], color="0.3", ls=":", lw=1.2,
-                       label=_wrap(f"ship: {qcond['name']} {qcond['compare']} {qcond['threshold']}{_rows_label(qcond, settings)}"))]
+    handles.append(Patch(color=SHIP, alpha=0.25, label="ship region: both thresholds met"))
+    handles.append(Line2D([], [], color="0.3", ls=":", lw=1.2, label=_wrap(
+        f"{qcond['name']} {qcond['compare']} {q_threshold:g}{unit}{_rows_label(qcond, settings)}")))
     if scond:
         handles.append(Line2D([], [], color="0.3", ls="--", lw=1,
-                              label=_wrap(f"ship: x {scond['compare']} {scond['threshold']}{_rows_label(scond, settings)}")))
+                              label=_wrap(f"x {scond['compare']} {scond['threshold']}{_rows_label(scond, settings)}")))
     handles.append(Line2D([], [], color="0.55", lw=0.8, label="x = 1 (baseline speed)"))
-    if any(p.problem for p in pts):
-        handles.append(Line2D([], [], ls="none", marker="x", color=FAILED, mew=2, label="failed or not finite\n(listed below)"))
     fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(1 - LEGEND_INCHES / width, 1 - HEAD_INCHES / height),
                fontsize=8, frameon=False, title="colour: variant\nmarker: model, setting", title_fontsize=8,
                alignment="left")
     run = tables["run"]
-    fig.text(0.01, 1 - 0.1 / height, f"{tables['title']}: speed-up against {column}", fontsize=11, va="top")
+    fig.text(0.01, 1 - 0.1 / height, f"{tables['title']}: speed-up against {qcond['name']}", fontsize=11, va="top")
     if run["weights"] != "checkpoint":
-        fig.text(0.01, 1 - 0.34 / height, f"{run['weights']} run {run['name']}: these numbers do not describe "
+        fig.text(0.01, 1 - 0.36 / height, f"{run['weights']} run {run['name']}: these numbers do not describe "
                  "the real checkpoints", fontsize=8, va="top", color="0.3")
     for i, line in enumerate(notes):
-        fig.text(0.01, (FOOT_INCHES + NOTE_LINE_INCHES * (len(notes) - 1 - i)) / height, line, fontsize=7.5,
+        fig.text(0.01, (FOOT_INCHES + NOTE_LINE_INCHES * (len(notes) - 1 - i)) / height, line, fontsize=9,
                  color=FAILED if line.startswith("x  ") else "0.25")
     return fig, pts
 

@@ -81,9 +81,94 @@ def like(v, printed: str, signed: bool = False, units: str = "") -> str:
     return f"{v:{sign}.{decimals}e}" if e else f"{v:{sign}{',' if ',' in printed else ''}.{decimals}f}"
 
 
+def pct_of(v, n: int | None) -> str:
+    """A fraction of `n` samples as a percentage with the precision one sample supports: 94% of 16
+    images, 99.8% of 400, 99.85% of 2,000 (one sample is 6.25, 0.25 and 0.05 points)."""
+    if v is None:
+        return "-"
+    if not n:
+        return pct(v)
+    decimals = min(2, max(0, math.ceil(-math.log10(100 / n))))
+    return f"{100 * v:.{decimals}f}%"
+
+
+def pct0(v) -> str:
+    """A change in whole percent, signed: -27%."""
+    return "-" if v is None else f"{100 * v:+.0f}%"
+
+
+def mib(n_bytes) -> str:
+    """Bytes in MiB to three significant digits (0.296, 67.7, 1,230)."""
+    if n_bytes is None:
+        return "-"
+    v = n_bytes / 2**20
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def params_text(p) -> str:
+    """A transform's parameters as words, not JSON: `factor 64, when window 512`."""
+    if isinstance(p, dict):
+        return ", ".join(f"{k} {params_text(v)}" for k, v in p.items())
+    if isinstance(p, (list, tuple)):
+        return " / ".join(params_text(v) for v in p)
+    return str(p)
+
+
+UNITS = {"x": lambda v: f"{times(v)}x", "percent": pct, "count": count, "times": lambda v: f"{num(v, 1)} times",
+         "number": lambda v: num(v, 4)}
+
+
+def condition_units(c: dict[str, Any]) -> str:
+    """How a decision condition's values are printed: its `units`, else from its kind."""
+    if c.get("units"):
+        return c["units"]
+    if c.get("relative_to"):
+        return "times"
+    if c.get("table") == "speed":
+        return "x"
+    return "count" if c.get("reduce") == "sum" else "number"
+
+
+COMPARE_WORDS = {">=": "at least", ">": "above", "<=": "at most", "<": "below", "==": "exactly"}
+
+
+def verdict(t: dict[str, Any]) -> list[dict[str, Any]]:
+    """One line per decision condition, from tables.json's decision: what the candidate measured,
+    on how many rows and samples, what the baseline measured on the same rule, and the threshold with
+    where it comes from."""
+    spec, samples = t["spec"], _samples_view(t)
+    declared = {c["name"]: c for c in spec["decision"]["conditions"]}
+    lines = []
+    for c in t["decision"]["conditions"]:
+        c = {**declared.get(c["name"], {}), **c}  # a tables.json before decide() copied table and units
+        units = condition_units(c)
+        lists = [samples[name] for name in c.get("samples") or [] if name in samples]
+        fmt = (functools.partial(pct_of, n=lists[0]["count"]) if units == "percent_of_samples" and len(lists) == 1
+               else UNITS.get(units, UNITS["percent"]))
+        observed = c["observed"]
+        shown = (span(observed, fmt) if isinstance(observed, dict)
+                 else "not measured" if observed is None else fmt(observed))
+        threshold = "" if c.get("threshold") is None else fmt(c["threshold"])
+        if c.get("relative_to"):
+            threshold += f" the `{c['relative_to']}` engine's"
+        base = c.get("baseline")
+        lines.append({
+            "name": c["name"], "met": c["pass"], "observed": shown, "rows": c.get("n"),
+            "samples": ", ".join(f"{count(s['count'])} {s['kind'].replace('_', ' ')} ({s['name']})" for s in lists),
+            "timing": c.get("table") == "speed" and spec["timing"],
+            "baseline": base and {"variants": base["variants"], "met": base["pass"],
+                                  "observed": span(base["observed"], fmt) if isinstance(base["observed"], dict)
+                                  else "not measured" if base["observed"] is None else fmt(base["observed"])},
+            "threshold": f"{COMPARE_WORDS.get(c.get('compare'), c.get('compare') or '')} {threshold}".strip(),
+            "basis": c.get("basis"), "note": c.get("note"),
+            "setting": (c.get("rows") or {}).get("setting")})
+    return lines
+
+
 def cell_text(text) -> str:
-    """Text inside a Markdown table cell: a pipe would end the cell."""
-    return str(text).replace("|", "\\|")
+    """Recorded text (an error) inside a Markdown table cell: a pipe would end the cell, and a `<`
+    would start HTML (the page and GitHub render the folds' HTML)."""
+    return html.escape(str(text), quote=False).replace("|", "\\|")
 
 
 def span(r: dict | None, fmt=times, unit: str = "") -> str:
@@ -102,9 +187,12 @@ def value_range(values) -> dict | None:
 
 # --- the view: what the templates show, computed from the tables -----------------------------
 
-def view(t: dict[str, Any]) -> dict[str, Any]:
+def view(t: dict[str, Any], docs: str = "../../docs/reading-a-study.md", repo: str = "../..",
+         kept=lambda source: True) -> dict[str, Any]:
     """What the templates show, computed from tables.json alone. Nothing here knows a family:
-    a family's template block reads its columns through `column_range` and `ratio_range`."""
+    a family's template block reads its columns through `column_range` and `ratio_range`.
+    `docs` and `repo`: the shared reading page and the repository root, relative to the README;
+    `kept(source)`: whether a file the tables name is beside the README, to be linked."""
     spec, cand, baselines = t["spec"], t["spec"]["candidate"], t["baselines"]
     settings = spec["settings"]
     speed_rows = []
@@ -170,7 +258,9 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "baseline_of": baselines.__getitem__, "column_range": column_range, "ratio_range": ratio_range,
         "candidate_nonfinite": sum(r.get("nonfinite") or 0 for r in rows_of("candidate")),
         "size_change": size_change, "size_range": value_range(s["change"] for s in size_change),
-        "kernels": kernels, "kernel_groups": t["kernel_groups"],
+        # Groups no profile of the run put any time in (a fused-attention group on the torch backend) are not shown.
+        "kernels": kernels, "kernel_groups": [g for g in t["kernel_groups"] if any(
+            (r.get("groups_ms") or {}).get(g) for r in t["kernels"] if r.get("status") == "ok")],
         # Tables written before profiles were checked against their timing have no such columns.
         "profile_checked": any("profile_agrees" in r for r in t["kernels"]),
         "profile_disagrees": sum(r.get("profile_agrees") is False for r in t["kernels"]),
@@ -180,8 +270,17 @@ def view(t: dict[str, Any]) -> dict[str, Any]:
         "variant_summary": variant_summary, "speed_of": speed_of, "build_of": builds, "references": references,
         "several_graphs": len(graphs) > 1,
         "published": _published_view(t),
-        "plot": PLOT, "main_quality": main_quality_condition(spec["decision"]),
-        "samples": _samples_view(t), "link": functools.partial(link, t["study"]),
+        "plot": PLOT, "main_quality": main_quality_condition(spec["decision"]), "verdict": verdict(t),
+        "docs": docs, "repo_link": lambda path: f"{repo}/{path}",
+        # Columns and table parts shown only where some row has something to show.
+        "show_fp32": any("fp32" in r["variants"] for r in speed_rows),
+        "show_bound": "bound" in t and any(r["candidate"].get("bound") is not None or r["candidate"].get("bound_note")
+                                           for r in speed_rows),
+        "other_variants": sorted({v for r in speed_rows for v in r["variants"]} - {"fp32", cand, *baselines.values()}),
+        "any_onnx": any(r.get("opset") is not None for r in t.get("records") or []),
+        "chain_example": next((times(r["candidate"]["x"]) for r in speed_rows if r["candidate"].get("status") == "ok"),
+                              "<number>"),
+        "samples": _samples_view(t), "link": functools.partial(link, t["study"]), "kept": kept,
         "repeats": repeats, "x_jobs_spread": value_range(r["candidate"]["x_jobs_spread"] for r in across_jobs),
         "within_job_noise": [r for r in across_jobs if within_job_noise(r["candidate"])],
     }
@@ -256,16 +355,37 @@ def setting_words(setting: dict[str, Any]) -> str:
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    formats = dict(ms=ms, times=times, pct=pct, sci=sci, num=num, count=count, like=like)
+    formats = dict(ms=ms, times=times, pct=pct, pct_of=pct_of, pct0=pct0, mib=mib, sci=sci, num=num, count=count,
+                   like=like)
     env.filters.update(span=span, cell_text=cell_text, **formats)
-    env.globals.update(shape_label=shape_label, setting_words=setting_words, **formats)  # so macros can take a format as an argument
+    env.globals.update(shape_label=shape_label, setting_words=setting_words, params_text=params_text,
+                       pct_for=lambda n: functools.partial(pct_of, n=n), **formats)  # so macros can take a format as an argument
     return env
 
 
-def render_section(tables: dict[str, Any]) -> str:
-    """The study's README section, markers included."""
+DOCS = "docs/reading-a-study.md"  # the explanations every study README shares, in the repository
+
+
+def repository_of(readme: Path) -> Path:
+    """The workflow root a README lives in: the nearest folder above it with a Snakefile."""
+    for folder in readme.resolve().parents:
+        if (folder / "Snakefile").exists():
+            return folder
+    raise ValueError(f"{readme} is not inside a workflow checkout (no Snakefile above it)")
+
+
+def render_section(tables: dict[str, Any], readme: str | Path | None = None) -> str:
+    """The study's README section, markers included. `readme`: where it is written (default
+    results/<study>/README.md of this checkout, every file beside it), for the links to the
+    repository's docs and to the files beside it."""
+    if readme is None:
+        repo, kept = "../..", lambda source: True
+    else:  # an evidence folder may not have kept every file its tables name: those are named, not linked
+        folder = Path(readme).resolve().parent
+        repo = Path(os.path.relpath(repository_of(Path(readme)), folder)).as_posix()
+        kept = lambda source: (folder / link(tables["study"], source)).exists()  # noqa: E731
     env = environment()
-    body = env.get_template(f"{tables['family']}.md.j2").render(**view(tables))
+    body = env.get_template(f"{tables['family']}.md.j2").render(**view(tables, f"{repo}/{DOCS}", repo, kept))
     body = re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
     return f"{begin_marker(tables['study'])}\n{body}{end_marker(tables['study'])}\n"
 
@@ -285,30 +405,67 @@ PAGE_STYLE = ("body{font-family:sans-serif;max-width:80em;margin:1em auto;paddin
               "th{background:#f3f3f3}img{max-width:100%}code{background:#f6f6f6}")
 
 
-def html_page(section: str, title: str, plot: bytes | None = None) -> str:
-    """The section as one self-contained HTML page, the plot inline: what `snakemake --report` shows."""
+LINK = re.compile(r'(href|src)="([^"#:]+)(#[^"]*)?"')
+MEDIA = {".json": "application/json", ".png": "image/png", ".md": "text/markdown", ".yaml": "text/yaml"}
+
+
+def html_page(section: str, title: str, folder: str | Path | None = None) -> str:
+    """The section as one self-contained HTML page: what `snakemake --report` shows. Every relative
+    link or image resolved from `folder` (the README's) becomes a data URI of that file, so the plot
+    and the JSON files behind the numbers open from the page offline; a link to no file stays as is."""
     from markdown_it import MarkdownIt
 
     markdown = "\n".join(line for line in section.splitlines() if not line.startswith("<!-- quantstudy:"))
-    body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)  # error texts stay text
-    if plot is not None:
-        body = body.replace(f'src="{PLOT}"', f'src="data:image/png;base64,{base64.b64encode(plot).decode()}"')
+    body = MarkdownIt("commonmark", {"html": True}).enable("table").render(markdown)  # the folds are HTML
+    embedded: dict[str, str] = {}
+
+    def inline(match: re.Match) -> str:
+        attr, target = match.group(1), match.group(2)  # an anchor is dropped: the data URI is the file
+        path = Path(folder or ".") / target
+        if folder is None or not path.is_file():
+            return match.group(0)
+        if target not in embedded:
+            media = MEDIA.get(path.suffix, "text/plain")
+            embedded[target] = f"data:{media};base64,{base64.b64encode(path.read_bytes()).decode()}"
+        return f'{attr}="{embedded[target]}"' + (f' title="{html.escape(target)}"' if attr == "href" else "")
+
+    body = LINK.sub(inline, body)
     return (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{PAGE_STYLE}</style></head>\n<body>\n{body}</body></html>\n")
 
 
 def render_file(tables_json: str | Path, out: str | Path, into: str | Path | None = None,
-                page: str | Path | None = None, plot: str | Path | None = None) -> None:
-    """The README section to `out` (and spliced `into` another README); with `page`, also as an
-    HTML page with `plot` (the PNG the section links) inline."""
+                page: str | Path | None = None) -> None:
+    """The README section to `out` (and spliced `into` another README); with `page`, also as one
+    self-contained HTML page, the plot and every file the section links inline (html_page)."""
     tables = read_json(tables_json, "tables")
-    section = render_section(tables)
+    section = render_section(tables, out)
     atomic_write(out, section)
-    if page:
-        atomic_write(page, html_page(section, tables["title"], Path(plot).read_bytes() if plot else None))
+    if page:  # the plot is an input of the render rule: it is beside the README when the page is made
+        atomic_write(page, html_page(section, tables["title"], Path(out).parent))
     if into:
         into = Path(into)
         atomic_write(into, splice(into.read_text() if into.exists() else "", section, tables["study"]))
+
+
+def _rst(text: str) -> str:
+    """Plain text inside reStructuredText: its inline markup characters escaped."""
+    return re.sub(r"([\\`*_|])", r"\\\1", str(text))
+
+
+def front_page(tables_jsons: list[str | Path], out: str | Path) -> None:
+    """The decisions of every study as reStructuredText, for the front page of `snakemake --report`
+    (report/workflow.rst includes it): per study the decision and each condition's verdict line."""
+    lines = []
+    for path in tables_jsons:
+        t = read_json(path, "tables")
+        d = t["decision"]
+        lines += [f"**{_rst(t['title'])}: {'ship' if d['ship'] else 'do not ship'} {_rst(d['candidate'])}**", ""]
+        for v in verdict(t):
+            lines.append(f"- {'met' if v['met'] else 'NOT MET'}: {_rst(v['name'])}: {_rst(v['observed'])} "
+                         f"(needs {_rst(v['threshold'])})")
+        lines.append("")
+    atomic_write(out, "\n".join(lines))
 
 
 def main() -> None:

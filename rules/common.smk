@@ -224,4 +224,6 @@ def gemm_files(s):
 
 
 def final_targets():
-    return [f"results/{s}/{name}" for s in RUN.studies for name in ("README.md", "audit.json")]
+    return [f"results/{s}/{name}" for s in RUN.studies for name in ("README.md", "audit.json")] + [
+        "results/decisions.rst"
+    ]

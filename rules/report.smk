@@ -52,6 +52,7 @@ rule render:
         tables="results/{study}/tables.json",
         plot="results/{study}/speed_quality.png",
         templates=lambda w: [f"templates/{t}" for t in ("macros.md.j2", "study.md.j2", f"{study(w).family}.md.j2")],
+        docs="docs/reading-a-study.md",  # linked from every README, inlined in its page
     output:
         readme="results/{study}/README.md",
         page=report("results/{study}/README.html", caption="../report/readme.rst", category=study_title, subcategory="README"),
@@ -79,3 +80,16 @@ rule audit:
         WORKFLOW_ENV
     script:
         "../scripts/audit.py"
+
+
+rule front_page:
+    input:
+        tables=expand("results/{study}/tables.json", study=RUN.studies),
+    output:
+        rst="results/decisions.rst",
+    log:
+        "logs/front_page.log",
+    conda:
+        WORKFLOW_ENV
+    script:
+        "../scripts/front_page.py"

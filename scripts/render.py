@@ -3,4 +3,4 @@ HTML page with the plot inline (for the report)."""
 from quantstudy.jobserver import run
 
 run("quantstudy.render:render_file", snakemake.log[0], tables_json=str(snakemake.input.tables),
-    out=str(snakemake.output.readme), page=str(snakemake.output.page), plot=str(snakemake.input.plot))
+    out=str(snakemake.output.readme), page=str(snakemake.output.page))

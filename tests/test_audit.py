@@ -84,3 +84,16 @@ def test_probes_are_compared_between_the_jobs_of_one_setting():
     assert problem.startswith("square/timing.json and square/quality.json got different answers")
     [problem] = one_engine_problems("build.json", timed, [("wide/quality.json", job("96x128", 0.5, sha="e2"))])
     assert "measured different engines of build.json" in problem
+
+
+def test_a_number_shown_with_its_samples_precision_is_found_in_the_tables():
+    """XCiT's top-1 agreement on 16 images is printed 94% (render.pct_of), not 93.75%: the chain finds
+    its row either way."""
+    from quantstudy import audit, render
+
+    tables = {"quality": [{"target": "t", "model": "m", "setting": "s", "variant": "fp8",
+                           "heldout.top1_agreement": 15 / 16, "source": "q.json"}]}
+    shown = render.pct_of(15 / 16, 16)
+    assert shown == "94%"
+    hits = audit.find_number(tables, shown)
+    assert [(h["column"], h["source"]) for h in hits] == [("heldout.top1_agreement", "q.json")]

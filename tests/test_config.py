@@ -261,7 +261,7 @@ def test_a_quality_only_variant_is_built_and_evaluated_but_plans_no_timing_jobs(
     assert not study.variants["fp8-c_fc"].timed and study.variants["fp8"].timed
     assert ("cpu-torch", "gpt-neo-125m", "p256-c256", "fp8-c_fc") not in list(study.engines(["cpu-torch"], timed_only=True))
     assert ("cpu-torch", "gpt-neo-125m", "p256-c256", "fp8-c_fc") in list(study.engines(["cpu-torch"], quality_only=True))
-    for inputs in ("config", "templates"):  # what the aggregate and render jobs read from the checkout
+    for inputs in ("config", "templates", "docs"):  # what the aggregate and render jobs read from the checkout
         (tmp_path / inputs).symlink_to(ROOT / inputs)
     proc = dry_run_with_studies(tmp_path, {"gpt_neo": entry})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

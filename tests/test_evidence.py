@@ -22,9 +22,25 @@ def test_evidence_readme_renders_from_its_tables(tables: Path):
     if version != artifacts.SCHEMA_VERSION:  # its README was rendered by the code of its own schema
         pytest.skip(f"{tables.relative_to(ROOT)} is schema version {version}, the templates render "
                     f"version {artifacts.SCHEMA_VERSION}: rerun that evidence to re-render it")
-    rendered = render.render_section(artifacts.read_json(tables, "tables"))
+    from quantstudy.devtools import malformed_tables
+
+    rendered = render.render_section(artifacts.read_json(tables, "tables"), tables.parent / "README.md")
     assert rendered == (tables.parent / "README.md").read_text(), (
         f"re-render it: python -m quantstudy.render {tables.relative_to(ROOT)}")
+    assert malformed_tables(rendered) == []
+
+
+COMMITTED_READMES = sorted(p for p in ROOT.glob("results/**/*.md")) + sorted(ROOT.glob("docs/*.md")) + [
+    ROOT / "README.md", ROOT / "tests" / "README.md"]
+
+
+@pytest.mark.parametrize("readme", COMMITTED_READMES, ids=[str(p.relative_to(ROOT)) for p in COMMITTED_READMES])
+def test_every_relative_link_of_a_committed_readme_resolves(readme: Path):
+    """A reader who clicks a link in the repository finds its file: the evidence READMEs (rendered
+    and written), the docs and the top-level READMEs."""
+    from quantstudy.devtools import dead_links
+
+    assert dead_links(readme) == []
 
 
 def test_there_is_evidence():

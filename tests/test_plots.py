@@ -39,22 +39,23 @@ def _red_pixels(path) -> int:
     return int(np.all(rgb == RED, axis=-1).sum())
 
 
-def test_a_failed_measurement_is_plotted_and_named(tmp_path):
+def test_a_failed_measurement_is_named_in_its_panel_and_under_it(tmp_path):
     out = tmp_path / "speed_quality.png"
     pts = plots.plot_file(_tables_with(tmp_path, _fail_fp8_quality_at_w256), out)
     # w128, w256, w512 x fp16, fp8; b32-w256 (no quality run) and the untimed MNLI model are listed, not points
     assert sorted((p.setting, p.variant) for p in pts) == [(s, v) for s in ("w128", "w256", "w512") for v in ("fp16", "fp8")]
     failed = [p for p in pts if p.problem]
     assert len(failed) == 1 and (failed[0].setting, failed[0].variant) == ("w256", "fp8")
-    assert failed[0].y is None and failed[0].x is not None  # its speed is still shown, on the edge of the y axis
+    assert failed[0].y is None and failed[0].x is not None  # its speed was measured; it is named, not placed
     assert failed[0].problem == "quality failed: RuntimeError: evaluate crashed"
     ok = next(p for p in pts if (p.setting, p.variant) == ("w128", "fp8"))
     assert ok.y > 0.05 and ok.x_min <= ok.x <= ok.x_max  # features.mean: the decision's per-row quality column
     image = Image.open(out)
     image.load()  # decodes
-    # one 4.6 x 4.0 in panel, the legend column, and three note lines (the failure, speed only, quality only)
-    assert image.format == "PNG" and image.size == (720, round((0.9 + 4.0 + 0.25 + 0.55 + 3 * 0.17) * 100))
-    assert _red_pixels(out) > 50  # the cross, its legend entry and its note line
+    # one 4.6 x 4.0 in panel, the legend column, and three note lines (the failure, speed only, quality only),
+    # at 200 dpi: a 9 pt note is readable when printed
+    assert image.format == "PNG" and image.size == (1440, round((0.9 + 4.0 + 0.25 + 0.6 + 3 * 0.2) * 200))
+    assert _red_pixels(out) > 200  # its name in the panel and its note line
 
 
 def test_without_failures_nothing_is_red_and_the_png_is_the_same_each_time(tmp_path):
@@ -76,3 +77,19 @@ def test_the_committed_evidence_plots_are_what_the_code_draws(tmp_path):
         out = tmp_path / f"{tables.parent.name}.png"
         plots.plot_file(tables, out)
         assert out.read_bytes() == committed.read_bytes(), f"redraw it: python -m quantstudy.plots {tables.relative_to(ROOT)}"
+
+
+def test_each_variant_has_one_colour_in_every_study_and_the_ship_region_is_shaded(tmp_path):
+    """fp8 is orange and fp16 grey in any study; another variant's colour comes from its name alone; the
+    region where both thresholds are met is shaded; the x axis spans the reduced-precision points, not fp32's."""
+    assert plots.variant_colour("fp8") == "#ff7f0e" and plots.variant_colour("fp16") == "#555555"
+    assert plots.variant_colour("fp8-no-output-dense") == plots.variant_colour("fp8-no-output-dense")
+    out = tmp_path / "speed_quality.png"
+    plots.plot_file(_tables_with(tmp_path), out)
+    rgb = np.asarray(Image.open(out).convert("RGB")).astype(int)
+    shade = np.array([int(plots.SHIP[i:i + 2], 16) for i in (1, 3, 5)]) * 0.12 + 255 * 0.88  # alpha 0.12 on white
+    assert (np.abs(rgb - shade).max(axis=-1) <= 3).sum() > 1000
+    fp32 = plots.Point("t", "m", "s", None, "fp32", 6.4, 6.0, 6.8, 1.0)
+    fp8 = plots.Point("t", "m", "s", None, "fp8", 0.9, 0.8, 1.0, 1.0)
+    lo, hi = plots._x_limits([fp32, fp8], [1.15])
+    assert lo < 0.8 and 1.15 < hi < 2

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from quantstudy import render
 
 
@@ -40,8 +44,9 @@ def test_a_relative_condition_renders_its_factor_and_the_variant():
         {"name": "KL at most 10 x fp16's", "column": "kl / fp16", "reduce": "max", "compare": "<=",
          "observed": {"min": 3.5, "max": 12.25, "n": 2}, "threshold": 10, "relative_to": "fp16", "pass": False,
          "note": ""})
-    rows = [line for line in render.render_section(tables).splitlines() if line.startswith("| KL at most")]
-    assert rows == ["| KL at most 10 x fp16's | 3.5000 to 12.2500 | 10 x fp16's | no |"]
+    rows = [line for line in render.render_section(tables).splitlines() if line.startswith("- **not met: KL at most")]
+    assert len(rows) == 1
+    assert "`fp8`: 3.5 times to 12.2 times. Needs at most 10.0 times the `fp16` engine's." in rows[0]
 
 
 def test_a_failed_gpt_neo_variant_shows_its_error_text_in_the_variants_table():
@@ -99,12 +104,103 @@ def test_a_condition_on_a_setting_names_it_with_this_runs_values():
     tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
     tables["spec"]["settings"]["w256"] = {"window": 64, "batch": 1}
     tables["decision"]["conditions"] = [
-        {"name": "speed-up at the manifest window (every row)", "column": "x", "reduce": "min", "compare": ">=",
+        {"name": "speed-up at the manifest window (every row)", "table": "speed", "column": "x", "reduce": "min",
+         "compare": ">=",
          "observed": {"min": 0.9, "max": 1.2, "n": 2}, "threshold": 1.1, "pass": False, "note": "",
          "rows": {"setting": "w256"}},
         {"name": "non-finite outputs", "column": "nonfinite", "reduce": "sum", "compare": "==", "observed": 0,
          "threshold": 0, "pass": True, "note": "", "rows": {}}]
-    rows = [line for line in render.render_section(tables).splitlines()
-            if line.startswith(("| speed-up at the manifest", "| non-finite outputs |"))]
-    assert rows == ["| speed-up at the manifest window (every row) (setting `w256`: window 64, batch 1) | 0.9000 to "
-                    "1.2000 | 1.1 | no |", "| non-finite outputs | 0 | 0 | yes |"]
+    rows = [line for line in render.render_section(tables).splitlines() if line.startswith("- **")]
+    assert rows[0].startswith("- **not met: speed-up at the manifest window (every row) (setting `w256`: window 64, "
+                              "batch 1).** `fp8`: 0.90x to 1.20x")
+    assert "Needs at least 1.10x." in rows[0]
+    assert rows[1].startswith("- **met: non-finite outputs.** `fp8`: 0. Needs exactly 0.")
+
+
+def test_the_verdict_gives_each_conditions_baseline_samples_and_threshold_basis():
+    """FNet's case: top-1 agreement >= 0.99 fails fp8 while the baseline scores the same on the same rows.
+    The verdict line says so, with the row and sample counts, the units the tables use, and where the
+    threshold comes from; a condition the baseline meets says nothing of the kind."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
+    heldout = next(s for s in tables["samples"] if s["name"] == "heldout")
+    basis = "the write-up's: 'above 99%'"
+    tables["decision"]["conditions"] = [
+        {"name": "top-1 agreement (every row)", "table": "quality", "column": "heldout.top1_agreement",
+         "reduce": "min", "compare": ">=", "observed": {"min": 0.9889, "max": 0.9968, "n": 6}, "n": 6,
+         "threshold": 0.99, "pass": False, "note": "", "rows": {}, "units": "percent", "samples": ["heldout"],
+         "basis": basis, "baseline": {"variants": ["fp16"], "observed": {"min": 0.9889, "max": 0.9968, "n": 6},
+                                      "n": 6, "pass": False}},
+        {"name": "non-finite outputs", "table": "quality", "column": "nonfinite", "reduce": "sum", "compare": "==",
+         "observed": 0, "n": 6, "threshold": 0, "pass": True, "note": "", "rows": {}, "basis": "set by this study",
+         "baseline": {"variants": ["fp16"], "observed": 0, "n": 6, "pass": True}}]
+    section = render.render_section(tables)
+    top1, nonfinite = [line for line in section.splitlines() if line.startswith("- **")]
+    assert top1 == (f"- **not met: top-1 agreement (every row).** `fp8`: 98.89% to 99.68% over 6 rows of "
+                    f"{heldout['count']:,} images (heldout); the baseline (`fp16`) on the same rule: 98.89% to 99.68%, "
+                    f"**which misses the bar as well**. Needs at least 99.00% on every row. *Threshold: {basis}.*")
+    assert "misses the bar" not in nonfinite and "the baseline (`fp16`) on the same rule: 0." in nonfinite
+    assert "it fails 1 of the 2 conditions" in section
+
+
+def test_a_percentage_carries_the_precision_its_samples_support():
+    assert render.pct_of(1.0, 16) == "100%" and render.pct_of(15 / 16, 16) == "94%"
+    assert render.pct_of(0.9975, 400) == "99.8%" and render.pct_of(0.9985, 2000) == "99.85%"
+    assert render.pct_of(0.5, None) == "50.00%"
+    assert render.mib(310_000) == "0.296" and render.mib(71_000_000) == "67.7" and render.pct0(-0.2749) == "-27%"
+
+
+def test_no_label_contradicts_its_setting():
+    """The tiny override shrinks DeBERTa's settings (w256 is a 64-token window there, b32-w256 batch 8 x 64):
+    every label the README prints is made from the values, so outside link targets no setting name is
+    shown as a label, and no row says 256 tokens."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-torch-issue9/results/deberta_v2/tables.json", "tables")
+    shrunk = {"w128": (1, 32), "w256": (1, 64), "w512": (1, 128), "b32-w256": (8, 64)}
+    for name, (batch, window) in shrunk.items():
+        if name in tables["spec"]["settings"]:
+            tables["spec"]["settings"][name].update(batch=batch, window=window)
+    for c in (*tables["decision"]["conditions"], *tables["spec"]["decision"]["conditions"]):
+        c["name"] = re.sub(r" \(setting w256: .*?; ", " (", c["name"])  # the label this evidence's config typed in
+    text = re.sub(r"\]\([^)]*\)", "]()", render.render_section(tables))  # link targets are paths, named by setting
+    text = text.replace("setting `w256`: window 64, batch 1", "")  # the verdict names the setting with its values
+    for name in shrunk:
+        assert not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text), name
+    assert "deberta-v3-base, 64 |" in text and "deberta-v3-base, 256 |" not in text
+
+
+EVIDENCE_BY_FAMILY = {
+    "fnet": "results/h200-torch-repeats/results/fnet/tables.json",
+    "deberta_v2": "results/h200-torch-issue9/results/deberta_v2/tables.json",
+    "timm_xcit": "results/h200-build-once/xcit/results/timm_xcit/tables.json",
+    "gpt_neo": "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json",
+    "deformable_detr": "results/h200-deformable-detr/deformable_detr/results/deformable_detr/tables.json",
+}
+
+
+@pytest.mark.parametrize("family", sorted(EVIDENCE_BY_FAMILY))
+def test_failed_rows_keep_every_table_whole(family):
+    """Each family's committed evidence with its candidate's first speed, quality and kernel rows failed:
+    every table row of the README still has its header's cells, and the error text is shown."""
+    from quantstudy import artifacts
+    from quantstudy.devtools import malformed_tables
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / EVIDENCE_BY_FAMILY[family], "tables")
+    assert malformed_tables(render.render_section(tables)) == []
+    cand = tables["spec"]["candidate"]
+    for table in ("speed", "quality", "kernels"):
+        row = next(r for r in tables[table] if r["variant"] == cand)
+        keep = {k: row[k] for k in ("target", "model", "setting", "variant", "source", "gpu", "backend", "batch")
+                if k in row}
+        tables[table][tables[table].index(row)] = keep | {"status": "failed", "error": "RuntimeError: <boom> | x"}
+    section = render.render_section(tables)
+    assert malformed_tables(section) == []
+    assert "RuntimeError: &lt;boom&gt; \\| x" in section

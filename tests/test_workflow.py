@@ -37,7 +37,8 @@ def test_failing_variant_is_rendered_and_the_others_complete(workflow_copy):
     for variant in ("fp16", "fp16-hs", "fp8", "fp8-no-output-dense"):
         assert json.loads((variant_dir / variant / "quality.json").read_text())["status"] == "ok"
     readme = (workflow_copy / "results/fnet/README.md").read_text()
-    assert re.search(r"\| build\.json \| cpu-torch \| fnet-base, w512 \| fp8-broken \| .*selects no layer", readme)
+    assert re.search(r"\| \[build\.json\]\(cpu-torch/fnet-base/w512/fp8-broken/build\.json\) \| cpu-torch \| "
+                     r"fnet-base, 512 \| fp8-broken \| .*selects no layer", readme)
     fp8_row = next(line for line in readme.splitlines() if line.startswith("| fnet-base, 512 | cpu-torch | fp8 |"))
     assert "failed" not in fp8_row and "%" in fp8_row
 
@@ -87,7 +88,7 @@ def test_each_setting_is_compared_with_its_own_baseline(workflow_copy):
     # fp16 returns NaN at 512 (no top-1 at all); the baseline column must show fp16-hs's.
     hs_top1 = render.value_range(r["mlm.top1_agreement"] for r in tables["quality"] if r["variant"] == "fp16-hs")
     assert hs_top1 is not None
-    summary = {r[0]: r for r in _table_rows(readme, "| Item | baseline |")}
+    summary = {r[0]: r for r in _table_rows(readme, "| At a glance | baseline |")}
     assert summary["Masked-LM top-1 agreement with PyTorch fp32"][1] == render.span(hs_top1, render.pct)
 
 
@@ -181,14 +182,16 @@ def test_every_speed_row_carries_its_bound_and_the_readme_shows_it(workflow_copy
     fp16 = next(r for r in tables["speed"] if r["variant"] == "fp16" and r["target"] == "cpu-torch")
     assert fp16["bound"] is None and fp16["bound_note"] == "no FP8 layer"
     readme = (workflow_copy / "results/fnet/README.md").read_text()
-    header = "| Model, window | Target | Baseline | fp32 |"
-    assert "Amdahl bound of x" in next(line for line in readme.splitlines() if line.startswith(header))
+    header = "| Model, window | Target | Baseline |"
+    columns = [c.strip() for c in next(line for line in readme.splitlines() if line.startswith(header)).strip("|").split("|")]
+    at = columns.index("Amdahl bound of x")
     macros = render.environment().get_template("macros.md.j2").module
     table = {(r[1]): r for r in _table_rows(readme, header)}
     for r in rows:
-        assert table[r["target"]][7] == str(macros.bound_cell(r))
-        assert (render.times(r["bound"]) if r["bound"] is not None else "withheld") in table[r["target"]][7]
-    assert "Amdahl bound: 1 / ((1 - f) + f / g)" in readme
+        assert table[r["target"]][at] == str(macros.bound_cell(r))
+        assert (render.times(r["bound"]) if r["bound"] is not None else "withheld") in table[r["target"]][at]
+    assert "](../../docs/reading-a-study.md#the-amdahl-bound)" in readme  # the formula, written once:
+    assert "1 / ((1 - f) + f / g)" in (workflow_copy / "docs/reading-a-study.md").read_text()
 
 
 def test_noop_rerun_does_nothing(workflow_copy):
@@ -214,7 +217,7 @@ def test_changing_one_variant_reruns_only_its_chain(workflow_copy):
     assert sorted(per_variant) == sorted((r, "fp8-no-output-dense") for r in ("build", "time", "profile", "evaluate"))
     # `all` is the target rule: it runs no code. The GEMMs of the FP8 variants of its target, model
     # and setting are timed again: the variant's FP8 layers changed.
-    assert sorted(rule for rule, w in jobs if "variant" not in w) == ["aggregate", "all", "audit", "gemm", "plot",
+    assert sorted(rule for rule, w in jobs if "variant" not in w) == ["aggregate", "all", "audit", "front_page", "gemm", "plot",
                                                                        "render"]
     assert [w for rule, w in jobs if rule == "gemm"] == [{"study": "fnet", "target": "cpu-torch", "model": "fnet-base",
                                                            "setting": "w512"}]
@@ -505,20 +508,27 @@ def test_a_tampered_revision_fails_the_audit(workflow_copy, tmp_path):
 
 
 def test_the_readme_lists_the_published_numbers_none_reproduced_on_tiny_models(workflow_copy):
-    """A tiny run reproduces none of the write-up's B200 / B300 numbers: one line says so, and every
-    published value is still listed with where it is printed; the audit traces one to its file."""
+    """A tiny run reproduces none of the write-up's B200 / B300 numbers: one line says so and links the
+    file that transcribes them, and no published value is listed; tables.json keeps each one, and the
+    audit traces one to its file."""
     readme = (workflow_copy / "results/fnet/README.md").read_text()
-    assert ("**This run reproduces none of them**: this run's weights are tiny-random-init, not the write-up's "
-            "(checkpoint). A run of `config/b200.yaml` or `config/b300.yaml` reproduces them") in readme
-    assert "| base, 512 \\| B200 | fp32 | speed `variant_ms`: b200-trt11.4, fnet-base, w512, fp32 | ms | 2.838 |" in readme
+    line = next(x for x in readme.splitlines() if x.startswith("**Published numbers:**"))
+    assert ("this run reproduces none of them: this run's weights are tiny-random-init, not the write-up's "
+            "(checkpoint). A run of `config/b200.yaml` or `config/b300.yaml` does.") in line
+    assert "[`config/published/fnet.yaml`](../../config/published/fnet.yaml)" in line
+    assert "2.838" not in readme and "Published vs reproduced" not in readme
     tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
     assert tables["published_from"]["file"] == "config/published/fnet.yaml"
     assert {r["status"] for r in tables["published"]} == {"not reproduced here"}
     assert tables["provenance"]["inputs"]["published[0]"]["path"] == "config/published/fnet.yaml"
-    proc = _audit_cli(workflow_copy, "chain", "results/fnet/README.md", "2.838")
+    proc = _audit_cli(workflow_copy, "chain", "results/fnet/tables.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert ("published table, row b200-trt11.4, fnet-base, w512, fp32 (published as base, 512 | B200 / fp32), "
-            "column published_min = 2.838, from config/published/fnet.yaml") in proc.stdout
+    assert "config/published/fnet.yaml" in proc.stdout
+    from quantstudy import audit
+
+    hit = next(h for h in audit.find_number(tables, "2.838") if h["table"] == "published")
+    assert hit["row"] == "b200-trt11.4, fnet-base, w512, fp32 (published as base, 512 | B200 / fp32)"
+    assert (hit["column"], hit["value"], hit["source"]) == ("published_min", 2.838, "config/published/fnet.yaml")
 
 
 def test_editing_the_published_numbers_reruns_aggregate_plot_render_and_audit(workflow_copy):
@@ -530,7 +540,8 @@ def test_editing_the_published_numbers_reruns_aggregate_plot_render_and_audit(wo
         path.write_text(original.replace('fp32: "2.838"', 'fp32: "2.839"', 1))
         proc = snakemake(workflow_copy, "-n", "--configfile", ".test/config.yaml")
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert sorted(rule for rule, _ in planned_jobs(proc.stdout + proc.stderr)) == ["aggregate", "all", "audit", "plot", "render"]
+        assert sorted(rule for rule, _ in planned_jobs(proc.stdout + proc.stderr)) == ["aggregate", "all", "audit", "front_page",
+                                                                                   "plot", "render"]
     finally:
         path.write_text(original)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
@@ -708,7 +719,7 @@ def test_repeats_time_each_variant_in_separate_jobs_and_render_their_spread(work
     jobs = planned_jobs(proc.stdout + proc.stderr)
     timed = sorted((w["target"], w["variant"]) for rule, w in jobs if rule == "time")
     assert len(timed) == 7 and {w["repeat"] for rule, w in jobs if rule == "time"} == {"-r2"}
-    assert sorted(rule for rule, _ in jobs if rule != "time") == ["aggregate", "all", "audit", "plot", "render"]
+    assert sorted(rule for rule, _ in jobs if rule != "time") == ["aggregate", "all", "audit", "front_page", "plot", "render"]
     proc = snakemake(repo, *args)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -732,7 +743,7 @@ def test_repeats_time_each_variant_in_separate_jobs_and_render_their_spread(work
     fp8 = [r for r in ok_rows if r["variant"] == "fp8"]
     spread = render.value_range(r["x_jobs_spread"] for r in fp8)
     assert f"Across timing jobs, fp8's x moved by {render.span(spread, render.pct)}" in readme
-    assert "not measured in this run" not in readme
+    assert "spread of x across timing jobs was not measured" not in readme
     for r in fp8:
         assert f"| {render.times(r['x_jobs_min'])} to {render.times(r['x_jobs_max'])} ({render.pct(r['x_jobs_spread'])}) |" in readme
     assert json.loads((repo / "results/fnet/audit.json").read_text())["ok"]
@@ -765,3 +776,52 @@ def test_x_is_the_baseline_time_over_the_variant_time_in_every_row(workflow_copy
         assert r["baseline_ms"] == pytest.approx(statistics.median(base), rel=1e-12)
         if r["variant"] == r["baseline"]:
             assert r["x"] == 1.0
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(not _chromium(), reason="no headless Chromium (apt-get install chromium)")
+def test_the_readme_page_renders_in_a_browser_with_its_plot_and_no_dead_link(workflow_copy, tmp_path):
+    """Each study's README page (the report's) opened in headless Chromium, as a reader sees it: the
+    plot has loaded (the candidate's orange and the shaded ship region are on the screenshot), the
+    verdict is at the top, the folds are closed, and every link of the page opens a file it carries."""
+    import subprocess
+
+    import numpy as np
+    from PIL import Image
+
+    from quantstudy import plots
+
+    page = workflow_copy / "results/fnet/README.html"
+    shot = tmp_path / "fnet.png"
+    browser = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+               "--allow-file-access-from-files"]
+    subprocess.run([*browser, "--window-size=1280,2200", f"--screenshot={shot}", page.as_uri()], check=True,
+                   capture_output=True, timeout=120)
+    rgb = np.asarray(Image.open(shot).convert("RGB")).astype(int)
+    orange = np.array([int(plots.VARIANT_COLOURS["fp8"][i:i + 2], 16) for i in (1, 3, 5)])
+    assert (np.abs(rgb - orange).max(axis=-1) <= 12).sum() > 200, "the plot did not load: no fp8 point on the page"
+    dom = subprocess.run([*browser, "--dump-dom", page.as_uri()], check=True, capture_output=True, text=True,
+                         timeout=120).stdout
+    body = dom[dom.index("<body"):]
+    assert body.index("Do not ship") < body.index("<img") < body.index("<details")
+    assert "<details open" not in body
+    links = re.findall(r'<a href="([^"]*)"', body)
+    assert links and all(href.startswith("data:") for href in links), [h for h in links if not h.startswith("data:")]
+
+
+def test_every_rendered_readme_has_whole_tables_and_no_dead_link(workflow_copy):
+    """Each study README of the run, as a reader clicks through it: every relative link opens a file
+    (a number's JSON, a sample list, the plot, the docs page), and every table row has its header's cells."""
+    from quantstudy.devtools import dead_links, malformed_tables
+
+    readmes = sorted((workflow_copy / "results").glob("*/README.md"))
+    assert readmes
+    for readme in readmes:
+        assert dead_links(readme) == [], readme
+        assert malformed_tables(readme.read_text()) == [], readme
+        assert "](../../docs/reading-a-study.md" in readme.read_text()

@@ -70,3 +70,13 @@ def malformed_tables(markdown: str) -> list[str]:
         elif cells(line) != header:
             problems.append(f"line {n}: {header} cells expected, {cells(line)} found")
     return problems
+
+
+def lines_outside_folds(markdown: str) -> int:
+    """The lines of a README a reader sees without opening a fold (<details>)."""
+    depth = seen = 0
+    for line in markdown.splitlines():
+        depth += line.count("<details>")
+        seen += depth == 0
+        depth -= line.count("</details>")
+    return seen

@@ -819,9 +819,22 @@ def test_every_rendered_readme_has_whole_tables_and_no_dead_link(workflow_copy):
     (a number's JSON, a sample list, the plot, the docs page), and every table row has its header's cells."""
     from quantstudy.devtools import dead_links, malformed_tables
 
-    readmes = sorted((workflow_copy / "results").glob("*/README.md"))
+    readmes = sorted(p.with_name("README.md") for p in (workflow_copy / "results").glob("*/tables.json"))
     assert readmes
     for readme in readmes:
         assert dead_links(readme) == [], readme
         assert malformed_tables(readme.read_text()) == [], readme
         assert "](../../docs/reading-a-study.md" in readme.read_text()
+
+
+def test_each_readme_opens_with_one_verdict_line_per_condition_and_stays_short(workflow_copy):
+    """The decision first: one line per condition of tables.json's decision, met or not, before the plot;
+    the part outside the folds within two screens' worth of Markdown lines (FNet's was 507 in all)."""
+    from quantstudy.devtools import lines_outside_folds
+
+    for readme in sorted(p.with_name("README.md") for p in (workflow_copy / "results").glob("*/tables.json")):
+        text = readme.read_text()
+        decision = json.loads((readme.parent / "tables.json").read_text())["decision"]
+        verdict = [line for line in text[:text.index("![")].splitlines() if line.startswith("- **")]
+        assert [line.startswith("- **met: ") for line in verdict] == [c["pass"] for c in decision["conditions"]], readme
+        assert lines_outside_folds(text) <= 130, (readme, lines_outside_folds(text))

@@ -8,7 +8,7 @@ then open it in `--opens` fresh processes at once (as jobs open an engine side b
 one JSON line: the cache artifacts it loaded by kind, the sha256 of its outputs on one seeded input,
 whether 3 calls in the process gave the same bits, and its time per CUDA-graph replay (50 replays).
 
-Modes, each with the process settings of a workflow job (steps._deterministic) and then:
+Modes, each with the process settings of a workflow job (steps.job_settings) and then:
   jobs                    nothing else (what the workflow runs)
   cudnn-free              torch.backends.cudnn.deterministic off (the first Deformable DETR run's setting)
   inductor-deterministic  TORCHINDUCTOR_DETERMINISTIC=1 (inductor does not benchmark choices that change numerics)
@@ -39,9 +39,9 @@ def _settings() -> None:
     """The process settings of a workflow job, then the mode's change."""
     import torch
 
-    from quantstudy.steps import _deterministic
+    from quantstudy.steps import job_settings
 
-    _deterministic()
+    job_settings()
     if ARGS.mode == "cudnn-free":
         torch.backends.cudnn.deterministic = False
 

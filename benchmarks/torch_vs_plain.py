@@ -611,7 +611,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     started, t0 = artifacts.now(), time.perf_counter()
-    steps._deterministic()  # TF32 off (FNet's fp32 sequence DFT stays fp32), as the build and time steps run
+    steps.job_settings()  # TF32 off (FNet's fp32 sequence DFT stays fp32), as the build and time steps run
     cfg = run_config(args)
     run = config.load_run(yaml.safe_load(cfg.read_text()))
     if args.summary:

@@ -59,7 +59,8 @@ class Progress:
             log.info("%s: %d/%d (%.1f s)", self.what, done, total or self.total, self._time() - self.start)
 
 
-def _deterministic() -> None:
+def job_settings() -> None:
+    """The process settings every workflow job runs under (a benchmark that stands for a job sets them too)."""
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: references and the fp32 DFT
@@ -231,7 +232,7 @@ def reference(family: str, model: str, setting: dict[str, Any], metrics: dict[st
     from safetensors.torch import save
 
     started = now()
-    _deterministic()
+    job_settings()
     device = _device()
     with _gpu_work(device):
         tensors, blocks = _family(family).reference(_snapshot(checkpoint_json), _samples(samples_jsons, family),
@@ -256,7 +257,7 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
     from quantstudy import quantization
 
     started = now()
-    _deterministic()
+    job_settings()
     fam, st, ckpt = _family(family), _setting(setting), _snapshot(checkpoint_json)
     device = _device()
     graph = next(iter(fam.graphs(st, architecture)))
@@ -348,7 +349,7 @@ def export(ident: dict[str, Any], family: str, setting: dict[str, Any], architec
     params = {"spec": spec, "recipe": recipe, "setting": setting, "opset": opset or qe.OPSET}
 
     def measure() -> dict[str, Any]:
-        _deterministic()
+        job_settings()
         amax_doc = read_json(amax_json, "amax") if amax_json else None
         fam, st, ckpt = _family(family), _setting(setting), _snapshot(checkpoint_json)
         specs, graphs, summary = fam.graphs(st, architecture), {}, {}
@@ -388,7 +389,7 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
     tgt = Target.from_params(target)
 
     def measure() -> dict[str, Any]:
-        _deterministic()
+        job_settings()
         amax_doc = read_json(amax_json, "amax") if amax_json else None
         backend = backends.get(tgt.backend)
         st, engines, ckpt = _setting(setting), {}, _snapshot(checkpoint_json)
@@ -533,7 +534,7 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
     baseline = base_doc["variant"]
 
     def measure() -> dict[str, Any]:
-        _deterministic()
+        job_settings()
         st, tgt = _setting(setting), Target.from_params(target)
         # {variant: its runners}: the variant's engines, and its baseline's (the same ones for the baseline itself)
         runners = {doc["variant"]: open_engines(family, doc, recipe, checkpoint_json, st, tgt)
@@ -565,7 +566,7 @@ def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting:
     params = {"target": target, "calls": calls, "setting": setting}
 
     def measure() -> dict[str, Any]:
-        _deterministic()  # as in the build: inductor's CPU code depends on the thread count
+        job_settings()  # as in the build: inductor's CPU code depends on the thread count
         fam, st, tgt = _family(family), _setting(setting), Target.from_params(target)
         build_doc = read_json(build_json, "build")
         runners = open_engines(family, build_doc, recipe, checkpoint_json, st, tgt)
@@ -594,7 +595,7 @@ def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
     params = {"specs": specs, "recipe": recipe, "target": target, "timing": timing, "setting": setting}
 
     def measure() -> dict[str, Any]:
-        _deterministic()
+        job_settings()
         amax_doc = read_json(amax_json, "amax")
         fam, st, ckpt, tgt = _family(family), _setting(setting), _snapshot(checkpoint_json), Target.from_params(target)
         graphs = {}
@@ -665,7 +666,7 @@ def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting
     params = {"target": target, "metrics": metrics, "seeds": seeds, "setting": setting, "repeat": repeat}
 
     def measure() -> dict[str, Any]:
-        _deterministic()
+        job_settings()
         st, tgt = _setting(setting), Target.from_params(target)
         build_doc = read_json(build_json, "build")
         with _gpu_work(tgt.device), torch.no_grad():

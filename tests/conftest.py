@@ -96,7 +96,7 @@ def skip_without_gpu(reason: str) -> None:
 
 @pytest.fixture
 def one_cpu_thread():
-    """One intra-op thread, as the workflow's jobs run on a CPU-only host (steps._deterministic): on a
+    """One intra-op thread, as the workflow's jobs run on a CPU-only host (steps.job_settings): on a
     loaded machine with few cores, more threads make a small GEMM's time many times slower."""
     import torch
 

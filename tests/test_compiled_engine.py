@@ -52,9 +52,9 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def built(tiny, tmp_path_factory):
     """The compiled engine, and what the build's own compiled program gives on three rows. Here and in
-    the opening process, the process settings every workflow job sets (steps._deterministic: one
+    the opening process, the process settings every workflow job sets (steps.job_settings: one
     intra-op thread on a CPU host, TF32 off): inductor's code, and so its cache key, depends on them."""
-    steps._deterministic()
+    steps.job_settings()
     out = tmp_path_factory.mktemp("engine")
     info = backends.get("torch").build(tiny["variant"](), out, TARGET, backends.Shapes((tiny["example"],)))
     runner = torch_backend.Runner(torch_backend.load(tiny["variant"](), out), tiny["example"], compile=True)
@@ -72,7 +72,7 @@ def _open_in_a_fresh_process(engine_dir, example_rows: int, tmp_path) -> dict:
         from conftest import observed_amax
         logging.basicConfig(level=logging.INFO)
         from quantstudy import steps
-        steps._deterministic()
+        steps.job_settings()
         fam = families.get("fnet")
         folder = {str(engine_dir.parent / 'checkpoint')!r}
         setting = Setting("b2-w32", 2, {{"window": 32}})

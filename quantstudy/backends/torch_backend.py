@@ -11,7 +11,7 @@ loads those artifacts into a cache of its own and compiles nothing: dynamo trace
 (seconds), and every graph must then be found in the loaded artifacts, or opening fails and names the
 build to rerun. So the timed, the profiled and the evaluated program are the same kernels with the
 same autotuning choices. What keys a compiled graph includes process settings the build and every
-job set alike (steps._deterministic; on a CPU, inductor's code depends on the intra-op thread count).
+job set alike (steps.job_settings; on a CPU, inductor's code depends on the intra-op thread count).
 (An AOTInductor package would also skip the trace, but loading one segfaulted on torch 2.11.)
 """
 

@@ -216,6 +216,8 @@ def figure(tables: dict[str, Any]):
         ax.axhline(q_threshold, color="0.3", ls=":", lw=1.2, zorder=2)
         # The ship region, where a point meets both thresholds: shaded under the points.
         y_lo, y_hi = ax.get_ylim()
+        if scale == 100.0:  # a percentage: no axis beyond 0% or 100%
+            y_lo, y_hi = max(y_lo, 0.0), min(y_hi, 100.0 + 0.02 * (y_hi - y_lo))
         x_from = scond["threshold"] if scond else x_lo
         ax.fill_between([x_from, x_hi], *((q_threshold, y_hi) if higher_better else (y_lo, q_threshold)),
                         color=SHIP, alpha=0.12, lw=0, zorder=0)

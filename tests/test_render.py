@@ -204,3 +204,21 @@ def test_failed_rows_keep_every_table_whole(family):
     section = render.render_section(tables)
     assert malformed_tables(section) == []
     assert "RuntimeError: &lt;boom&gt; \\| x" in section
+
+
+def test_a_threshold_is_printed_as_configured_beside_values_at_their_samples_precision():
+    """MNLI agreement on 24 pairs prints as 100% (one pair is 4 points), but its threshold 0.995 stays
+    99.50%: rounding it to the sample's precision would print a bar of 100%."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
+    heldout = next(s for s in tables["samples"] if s["name"] == "heldout")
+    heldout["count"] = 24
+    tables["decision"]["conditions"] = [
+        {"name": "agreement", "table": "quality", "column": "heldout.top1_agreement", "reduce": "min", "compare": ">=",
+         "observed": {"min": 1.0, "max": 1.0, "n": 1}, "n": 1, "threshold": 0.995, "pass": True, "note": "",
+         "rows": {}, "units": "percent_of_samples", "samples": ["heldout"], "basis": "b", "baseline": None}]
+    line = next(x for x in render.render_section(tables).splitlines() if x.startswith("- **met: agreement"))
+    assert "`fp8`: 100% over 1 row of 24 images (heldout). Needs at least 99.50%." in line

@@ -224,6 +224,4 @@ def gemm_files(s):
 
 
 def final_targets():
-    return [f"results/{s}/{name}" for s in RUN.studies for name in ("README.md", "audit.json")] + [
-        "results/decisions.rst"
-    ]
+    return [f"results/{s}/{name}" for s in RUN.studies for name in ("README.md", "audit.json")] + ["results/decisions.rst"]

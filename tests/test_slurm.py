@@ -115,12 +115,14 @@ def deterministic(path, repo):
     the repository's path, and what was measured. Timing and kernel files keep their fields,
     status and list lengths; in tables.json the speed, kernel and decision numbers are masked.
     README numbers are all masked: each one is rendered from a JSON compared here (Jinja only); so is
-    each JSON file's sha256 that another records (it covers that file's provenance), and the plot."""
+    each JSON file's sha256 that another records (it covers that file's provenance), and the plot and
+    the files a README page inlines."""
     if path.suffix == ".png":  # the plot draws the measured numbers
         return "a PNG"
     text = path.read_text(errors="replace").replace(str(repo), "<repo>")
-    if path.suffix in (".md", ".html"):
-        text = re.sub(r"data:image/png;base64,[A-Za-z0-9+/=]+", "<the plot>", text)
+    if path.suffix in (".md", ".html", ".rst"):  # .rst: the report's front page, the decisions
+        # The page inlines the plot and every file it links: each is compared here on its own.
+        text = re.sub(r"data:[a-z/]+;base64,[A-Za-z0-9+/=]+", "<a file>", text)
         text = re.sub(r"\b[0-9a-f]{64}\b", "<sha256>", text)  # a sample list's: it covers its provenance
         text = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", text)
         text = re.sub(r"#([x%]?) to #\1", r"#\1", text)  # a range of measured values may be one value
@@ -136,8 +138,8 @@ def deterministic(path, repo):
         text = re.sub(r", (\*\*disagrees\*\*|<strong>disagrees</strong>)", "", text)
         # f's basis is listed for the targets whose bound was computed, which the same verdict decides.
         text = re.sub(r"f was found\s.*?\.(?=\n|</p>)", "f was found <bases>.", text, flags=re.S)
-        return re.sub(r"(<p>)?(\*\*|<strong>)# of the # profiles of this run disagree.*?(\n\n|</p>\n?)", "", text,
-                      flags=re.S)
+        return re.sub(r"(<p>)?((\*\*|<strong>)# of the # profiles disagree|Every one of the # profiles agrees).*?"
+                      r"(\n\n|</p>\n?)", "", text, flags=re.S)
     if path.suffix != ".json":
         return text
 

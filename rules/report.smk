@@ -86,7 +86,7 @@ rule front_page:
     input:
         tables=expand("results/{study}/tables.json", study=RUN.studies),
     output:
-        rst="results/decisions.rst",
+        rst=report("results/decisions.rst", caption="../report/decisions.rst", category="Decisions"),
     log:
         "logs/front_page.log",
     conda:

@@ -126,6 +126,8 @@ def test_the_readme_shows_the_plot_and_the_report_holds_each_studys_results(work
         data = base64.b64encode((study / name).read_bytes()).decode()
         assert data in html, f"{name} is not in the report"
     assert "FP8 quantization studies, from pinned checkpoint" in html  # the front page, report/workflow.rst
+    decision = json.loads((study / "tables.json").read_text())["decision"]
+    assert f"FNet: {'ship' if decision['ship'] else 'do not ship'} fp8" in html  # each study's decision on it
 
 
 def test_gemm_rule_times_the_recipe_layers_at_the_models_shapes(workflow_copy):

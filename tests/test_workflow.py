@@ -360,13 +360,15 @@ def test_reproduce_reruns_a_sample_of_the_measurements_and_they_agree(workflow_c
     assert "every re-executed job agrees with its record" in proc.stdout
 
 
-def _halve_variant_time(doc: dict) -> None:
-    """A timing forged with care: the variant's round samples halved, and its summary and x made again
-    from them as the time job makes them, so that every derived number agrees with the samples."""
+def _quarter_variant_time(doc: dict) -> None:
+    """A timing forged with care: the variant's round samples divided by 4, and its summary and x made
+    again from them as the time job makes them, so that every derived number agrees with the samples.
+    (Halved, the ms once passed: the re-executed tiny job's 1-call rounds on a busy 2-core CI machine
+    spread wider than half the median; x was caught. 4 times is beyond the spreads seen.)"""
     from quantstudy import timing
 
     g = doc["graphs"]["main"]
-    g["variant_ms"] = timing.summarize([t / 2 for t in g["variant_ms"]["samples_ms"]])
+    g["variant_ms"] = timing.summarize([t / 4 for t in g["variant_ms"]["samples_ms"]])
     g.update(timing.speedup(g["baseline_ms"]["samples_ms"], g["variant_ms"]["samples_ms"]))
 
 
@@ -380,7 +382,7 @@ def test_a_forged_result_with_its_digest_recomputed_is_caught_by_reproduce(workf
     shutil.copytree(workflow_copy, repo, symlinks=True)
     variant = "results/fnet/cpu-torch/fnet-base/w512/fp8"
     _forge(repo / variant / "quality.json", lambda d: d["blocks"]["mlm"].update(top1_agreement=0.999))
-    _forge(repo / variant / "timing.json", _halve_variant_time)
+    _forge(repo / variant / "timing.json", _quarter_variant_time)
     proc = snakemake(repo, "--configfile", ".test/config.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((repo / "results/fnet/audit.json").read_text())["ok"]

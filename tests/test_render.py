@@ -222,3 +222,8 @@ def test_a_threshold_is_printed_as_configured_beside_values_at_their_samples_pre
          "rows": {}, "units": "percent_of_samples", "samples": ["heldout"], "basis": "b", "baseline": None}]
     line = next(x for x in render.render_section(tables).splitlines() if x.startswith("- **met: agreement"))
     assert "`fp8`: 100% over 1 row of 24 images (heldout). Needs at least 99.50%." in line
+
+
+def test_a_variants_transform_parameters_read_as_words_not_json():
+    assert render.params_text({"factor": 64, "when": {"window": [512]}}) == "factor 64, when window 512"
+    assert render.params_text({"exclude": ["*.output.dense", "*.qkv"]}) == "exclude *.output.dense / *.qkv"

@@ -842,3 +842,15 @@ def test_each_readme_opens_with_one_verdict_line_per_condition_and_stays_short(w
         verdict = [line for line in text[:text.index("![")].splitlines() if line.startswith("- **")]
         assert [line.startswith("- **met: ") for line in verdict] == [c["pass"] for c in decision["conditions"]], readme
         assert lines_outside_folds(text) <= 130, (readme, lines_outside_folds(text))
+
+
+def test_a_cpu_run_says_nothing_of_tensorrt_outside_the_write_ups_quotes(workflow_copy):
+    """The embedded default runs torch and ONNX Runtime on a CPU: TensorRT (its builder levels, its fused
+    kernels) appears only in the fold that quotes the write-up, never as this run's finding."""
+    import re
+
+    for readme in sorted(p.with_name("README.md") for p in (workflow_copy / "results").glob("*/tables.json")):
+        text = readme.read_text()
+        outside = re.sub(r"<details><summary>From the write-up, not measured here</summary>.*?</details>", "", text,
+                         flags=re.S)
+        assert "TensorRT" not in outside and "optimization level" not in outside, readme

@@ -7,6 +7,7 @@ config is a sentence on the terminal before any job starts.
 from __future__ import annotations
 
 import copy
+import difflib
 import fnmatch
 import hashlib
 import importlib.metadata
@@ -19,7 +20,7 @@ import jsonschema
 import yaml
 
 from quantstudy.artifacts import atomic_write
-from quantstudy.families.base import Setting
+from quantstudy.families.base import QualityColumns, Setting
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMAS = ROOT / "config" / "schemas"
@@ -257,6 +258,20 @@ class Run:
     offline: bool
     studies: dict[str, Study]
     targets: dict[str, Target]
+    note: str = ""
+
+    def study_targets(self, study: Study) -> list[str]:
+        """The run's targets a study uses (its `targets:`, or all of them)."""
+        return [t for t in self.targets if not study.targets or t in study.targets]
+
+    def aggregate_arguments(self, name: str) -> dict[str, Any]:
+        """What rule aggregate makes a study's tables.json from, beside its input files: the study as
+        configured, its baselines, the run, its targets. The audit compares tables.json's record of them
+        with these (a threshold edited in the record, and the decision with it, would agree with itself)."""
+        study = self.studies[name]
+        return {"study": study.raw, "baselines": study.baselines(),
+                "run": {"name": self.name, "weights": self.weights, "note": self.note},
+                "targets": {t: vars(self.targets[t]) for t in self.study_targets(study)}}
 
 
 def _load_yaml(path: Path) -> Any:
@@ -541,25 +556,36 @@ SPEED_COLUMNS = frozenset({
     "baseline", "variant_ms", "variant_spread", "baseline_ms", "x", "x_min", "x_max", "repeat", "repeats", "x_by_repeat",
     "x_jobs_min", "x_jobs_max", "x_jobs_spread", "timing_sources", "bound", "bound_note", "at_limit", "x_of_bound",
     "f", "f_basis", "f_kind", "f_source", "g", "g_source", "fp8_emulated"})
+# The quality table's columns that are not the family's (aggregate._quality, across_evaluations).
+QUALITY_ROW_COLUMNS = frozenset({
+    "target", "model", "setting", "variant", "status", "error", "source", "gpu", "backend", "batch", "evaluations",
+    "quality_sources", "evaluation_repeat", "nonfinite", "nonfinite_detail"})
+
+
+def quality_columns(declared: QualityColumns) -> frozenset[str]:
+    """The quality table's columns from a family's declaration (Family.quality_columns), named as
+    aggregate names them: block.metric, nonfinite.<set> and .of, each number's .jobs_min and .jobs_max
+    across evaluation jobs, reference.block.metric, and the columns every quality row has."""
+    own = {f"{b}.{m}" for b, metrics in declared.blocks.items() for m in metrics}
+    own |= {f"nonfinite.{s}{end}" for s in declared.nonfinite for end in ("", ".of")}
+    return frozenset(own | {f"{c}.jobs_{e}" for c in own | {"nonfinite"} for e in ("min", "max")} | QUALITY_ROW_COLUMNS
+                     | {f"reference.{b}.{m}" for b, metrics in declared.reference.items() for m in metrics})
+
+
 # Row fields every table has, whose values a condition's `rows` filter may name.
 ROW_FIELDS = {"target": "targets", "model": "models", "setting": "settings", "variant": "variants"}
 
 
 def _condition_problems(doc: dict[str, Any]) -> list[str]:
-    """Decision conditions whose column or row filter names nothing: such a condition finds no rows,
-    and the decision counts it as not met, a changed answer instead of an error."""
-    speed_columns = SPEED_COLUMNS | {k for s in doc["settings"].values() for k in s if k not in ("engine", "quality")}
+    """Decision conditions whose speed column, row filter or sample list names nothing: such a condition
+    finds no rows, and the decision counts it as not met, a changed answer instead of an error. (The
+    quality table's columns are the family's: _problems_against_code checks those.)"""
     known = {"models": list(doc["models"]), "settings": list(doc["settings"]), "variants": list(doc["variants"]),
              "targets": list(doc.get("targets") or {})}
-    problems = []
+    problems = _column_problems(doc, "speed", SPEED_COLUMNS)
     for i, c in enumerate(doc["decision"]["conditions"]):
         where = f"decision.conditions[{i}] ({c['name']!r})"
-        if c["table"] == "speed" and c["column"] not in speed_columns:
-            problems.append(f"{where}: the speed table has no column {c['column']!r}; its columns: "
-                            f"{', '.join(sorted(speed_columns))}")
         for key, value in (c.get("rows") or {}).items():
-            if c["table"] == "speed" and key not in speed_columns:
-                problems.append(f"{where}: rows filters on {key!r}, which the speed table has no column for")
             names = known.get(ROW_FIELDS.get(key, ""))
             if names and value not in names:
                 problems.append(f"{where}: rows names {key} {value!r}, which the study has none of; its "
@@ -568,6 +594,23 @@ def _condition_problems(doc: dict[str, Any]) -> list[str]:
             if name not in doc["samples"]:
                 problems.append(f"{where}: samples names {name!r}, which the study has no sample list of; its "
                                 f"sample lists: {', '.join(doc['samples'])}")
+    return problems
+
+
+def _column_problems(doc: dict[str, Any], table: str, columns: frozenset[str]) -> list[str]:
+    """The decision conditions on `table` whose column or row filter is none of its `columns` (or the
+    settings' shape keys, which every table has)."""
+    columns = columns | {k for s in doc["settings"].values() for k in s if k not in ("engine", "quality")}
+    problems = []
+    for i, c in enumerate(doc["decision"]["conditions"]):
+        if c["table"] != table:
+            continue
+        where = f"decision.conditions[{i}] ({c['name']!r})"
+        for what, name in [("column", c["column"]), *(("rows filter", key) for key in c.get("rows") or {})]:
+            if name not in columns:
+                near = difflib.get_close_matches(name, columns, n=3)
+                problems.append(f"{where}: {what} {name!r} is no column of the {table} table; "
+                                + (f"did you mean {' or '.join(near)}?" if near else f"its columns: {', '.join(sorted(columns))}"))
     return problems
 
 
@@ -735,6 +778,8 @@ def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], varian
                 for v in variants.values() for t, _ in v.transforms if t not in known]
     problems += [p for s in settings.values() for p in family.check_setting(s)]
     problems += _metrics_and_seeds_problems(doc, family)
+    declared = family.quality_columns(list(doc["evaluation_samples"]), list(doc["quality_against"]))
+    problems += _column_problems(doc, "quality", quality_columns(declared))
     if problems or not match_layers:
         return problems
     for name in doc["settings"]:
@@ -769,4 +814,5 @@ def load_run(config: dict[str, Any], against_code: bool = True) -> Run:
         studies[name] = study
     targets = {n: Target(n, **t) for n, t in config["targets"].items()}
     r = config["run"]
-    return Run(r["name"], r["weights"], config["hf_cache"], config.get("offline", False), studies, targets)
+    return Run(r["name"], r["weights"], config["hf_cache"], config.get("offline", False), studies, targets,
+               r.get("note", ""))

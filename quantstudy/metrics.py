@@ -10,6 +10,22 @@ import torch
 import torch.nn.functional as F
 
 
+# The scalar keys of each metric's block, as the functions below return them: what families declare as
+# their quality table's columns (Family.quality_columns), the names a study's decision may use.
+MLM_AGREEMENT = ("kl_mean", "kl_p99", "top1_agreement", "tokens", "nonfinite_tokens")
+CLS_AGREEMENT = ("cosine_mean", "cosine_min", "relative_error", "rows")
+QUALITY_BAR = ("max_relative_l2", "sentences", "passed", "failed")
+TOP1_AGREEMENT = ("top1_agreement", "rows", "disagree")
+TOKEN_RELATIVE_ERROR = ("mean", "max", "texts", "nonfinite_texts")
+HEAD_AGREEMENT = ("agreement", "accuracy", "reference_accuracy", "accuracy_diff_points", "pairs", "nonfinite_pairs")
+TOKEN_COSINE = ("min", "mean", "tokens", "nonfinite_tokens")
+NEXT_TOKEN_AGREEMENT = (*MLM_AGREEMENT, "perplexity")
+MULTIPLE_CHOICE = ("accuracy", "questions", "nonfinite_questions")  # + agreement_with_reference, given one
+COCO_BOX_AP = ("images", "annotations", "detections", "evaluator", "ap", "ap50", "ap75")
+DETECTION_AGREEMENT = ("precision", "recall", "matched", "engine_detections", "reference_detections",
+                       "score_threshold", "iou_threshold")
+
+
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
     """Mask of rows (first axis) whose values are all finite."""
     return torch.isfinite(x.flatten(1)).all(dim=1)

@@ -184,3 +184,16 @@ def dry_run_with_studies(tmp_path: Path, studies: dict):
     return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--snakefile", str(ROOT / "Snakefile"),
                            "--directory", str(tmp_path), "--configfile", str(tmp_path / "config.yaml")],
                           capture_output=True, text=True)
+
+
+def assert_declares_its_quality_columns(family, evaluation, reference_blocks: dict, evaluation_samples,
+                                        against=()) -> None:
+    """What a family's reference and evaluate wrote is what it declares (Family.quality_columns): the
+    config check lets a decision condition name those columns and no other."""
+    from quantstudy.aggregate import flatten
+
+    declared = family.quality_columns(list(evaluation_samples), list(against))
+    named = lambda blocks: {f"{b}.{m}" for b, metrics in blocks.items() for m in metrics}
+    assert set(flatten(evaluation.blocks)) == named(declared.blocks)
+    assert set(evaluation.nonfinite) == set(declared.nonfinite)
+    assert set(flatten(reference_blocks)) == named(declared.reference)

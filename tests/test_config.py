@@ -275,8 +275,9 @@ def test_a_quality_only_variant_is_built_and_evaluated_but_plans_no_timing_jobs(
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda c: c.update(column="xx"), "the speed table has no column 'xx'; its columns: at_limit, backend"),
-    (lambda c: c.update(rows={"bacth": 1}), "rows filters on 'bacth', which the speed table has no column for"),
+    (lambda c: c.update(column="zzz"), "column 'zzz' is no column of the speed table; its columns: at_limit, backend"),
+    (lambda c: c.update(column="x_mni"), "column 'x_mni' is no column of the speed table; did you mean x_min"),
+    (lambda c: c.update(rows={"bacth": 1}), "rows filter 'bacth' is no column of the speed table; did you mean batch"),
     (lambda c: c.update(rows={"setting": "w1024"}), "rows names setting 'w1024', which the study has none of; "
                                                     "its settings: "),
     (lambda c: c.update(samples=["heldot"]), "samples names 'heldot', which the study has no sample list of; "
@@ -290,6 +291,31 @@ def test_a_decision_condition_that_names_nothing_stops_the_run(edit, message, tm
     edit(speed)
     with pytest.raises(qc.ConfigError, match=re.escape(message)):
         load(doc, tmp_path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(column="mlm.top1_agrement"), "column 'mlm.top1_agrement' is no column of the quality table; "
+                                                     "did you mean mlm.top1_agreement"),
+    (lambda c: c.update(column="nonfinite.stres"), "did you mean nonfinite.stress"),
+    (lambda c: c.update(column="cls_vs_fp16.relative_error"), "column 'cls_vs_fp16.relative_error' is no column"),
+    (lambda c: c.update(rows={"checkpoint.head": True}), "rows filter 'checkpoint.head' is no column of the quality table"),
+])
+def test_a_quality_condition_names_a_column_the_familys_evaluation_writes(edit, message, tmp_path):
+    """The quality table's columns are the family's metrics (Family.quality_columns): a misspelt one
+    would find no rows and count as not met."""
+    doc = study_doc()
+    edit(next(c for c in doc["decision"]["conditions"] if c["table"] == "quality"))
+    with pytest.raises(qc.ConfigError, match=re.escape(message)):
+        load(doc, tmp_path)
+
+
+def test_a_quality_condition_may_name_the_comparison_with_a_quality_against_variant(tmp_path):
+    """cls_vs_fp16.* exists only where the study evaluates against fp16 (quality_against: [fp16])."""
+    doc = study_doc()
+    condition = next(c for c in doc["decision"]["conditions"] if c["table"] == "quality")
+    condition.update(column="cls_vs_fp16.relative_error", reduce="max", compare="<=", threshold=0.1)
+    doc["quality_against"] = ["fp16"]
+    assert load(doc, tmp_path).quality_against == ["fp16"]
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -19,7 +19,7 @@ from quantstudy.backends import torch_backend
 from quantstudy.families.base import Setting
 from quantstudy.families.deberta_v2 import POSITIONS
 
-from conftest import observed_amax, skip_without_gpu, tiny_checkpoint
+from conftest import assert_declares_its_quality_columns, observed_amax, skip_without_gpu, tiny_checkpoint
 
 import onnx  # noqa: E402  (pinned: a broken install fails, it does not skip)
 import onnxruntime as ort  # noqa: E402
@@ -467,6 +467,7 @@ def test_an_engine_equal_to_the_reference_measures_no_error(checkpoints, eval_sa
             assert "mnli" not in b and "mnli" not in blocks
             continue
         assert b["mnli"]["agreement"] == 1.0 and b["mnli"]["accuracy_diff_points"] == 0.0
+        assert_declares_its_quality_columns(FAMILY, result, blocks, list(eval_samples))
         model, _, _ = FAMILY.head(ckpt)
         enc = FAMILY.encode(FAMILY.processor(ckpt), eval_samples["mnli"], 32)
         with torch.no_grad():

@@ -19,7 +19,7 @@ from quantstudy import config, export, families, quantization
 from quantstudy.families import base
 from quantstudy.families.deformable_detr import SIZE_MAX, SIZE_MIN, DetectorEngine, WeightedStackAttention, load_images
 
-from conftest import observed_amax, tiny_checkpoint
+from conftest import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
 
 # The write-up's recipe: FP8 for the encoder and decoder projections (72 of 100 linears at
 # real size); sampling offsets, attention weights and the heads stay fp16.
@@ -331,6 +331,8 @@ def test_an_engine_that_finds_every_box_scores_ap_1(fam, checkpoint, tmp_path):
     assert got.nonfinite["heldout"] == {"bad": 1, "of": 8}
     assert got.blocks["heldout"]["ap"] < 1.0 and got.blocks["heldout_vs_fp16"]["ap"] == pytest.approx(1.0)
     assert got.blocks["heldout_vs_fp16"]["ap_drop"] == pytest.approx(1.0 - got.blocks["heldout"]["ap"])
+    _, reference_blocks = fam.reference(checkpoint, {"heldout": samples}, setting, metrics, {}, "cpu")
+    assert_declares_its_quality_columns(fam, got, reference_blocks, ["heldout"], ["fp16"])
 
 
 def test_reference_is_the_transformers_model_on_the_engines_inputs(fam, checkpoint, tmp_path):

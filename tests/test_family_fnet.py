@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from quantstudy import families, quantization, steps
 from quantstudy.families.base import Setting
 
+from conftest import assert_declares_its_quality_columns
+
 FP16 = {"precision": "float16", "transforms": []}
 SETTING = Setting("w128", 1, {"window": 128})
 
@@ -28,8 +30,8 @@ def evaluation_inputs(tiny_inputs, fam):
     study = tiny_inputs["study"]
     samples = {name: steps.read_samples(tiny_inputs["samples"][name], study.family) for name in ("heldout", "sts")}
     snapshot = json.loads(tiny_inputs["checkpoint"].read_text())["snapshot"]
-    tensors, _ = fam.reference(snapshot, samples, SETTING, study.metrics, study.seeds, "cpu")
-    return {"snapshot": snapshot, "samples": samples, "reference": tensors, "study": study}
+    tensors, blocks = fam.reference(snapshot, samples, SETTING, study.metrics, study.seeds, "cpu")
+    return {"snapshot": snapshot, "samples": samples, "reference": tensors, "reference_blocks": blocks, "study": study}
 
 
 def test_masked_lm_agreement_is_that_of_the_engines_own_features(fam, evaluation_inputs):
@@ -46,8 +48,11 @@ def test_masked_lm_agreement_is_that_of_the_engines_own_features(fam, evaluation
             return {"features": torch.cat([engine(input_ids=inputs["input_ids"][i:i + 1])["features"]
                                            for i in range(inputs["input_ids"].shape[0])])}
 
-    got = fam.evaluate(snapshot, run, reference, evaluation_inputs["samples"], SETTING, study.metrics, study.seeds,
-                       "cpu").blocks["mlm"]
+    evaluation = fam.evaluate(snapshot, run, reference, evaluation_inputs["samples"], SETTING, study.metrics,
+                              study.seeds, "cpu", {"fp16": run})
+    assert_declares_its_quality_columns(fam, evaluation, evaluation_inputs["reference_blocks"], ["heldout", "sts"],
+                                        ["fp16"])
+    got = evaluation.blocks["mlm"]
 
     hf = FNetForPreTraining.from_pretrained(snapshot).eval()
     masked, positions = reference["masked_ids"].long(), reference["mask_positions"]

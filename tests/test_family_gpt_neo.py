@@ -15,7 +15,7 @@ import torch
 from quantstudy import config, export, families, quantization, timing
 from quantstudy.families import base, gpt_neo
 
-from conftest import observed_amax, tiny_checkpoint
+from conftest import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
 
 import onnxruntime as ort  # noqa: E402  (pinned: a broken install fails, it does not skip)
 
@@ -457,3 +457,4 @@ def test_an_engine_equal_to_the_reference_scores_as_the_reference(fam, checkpoin
     assert arc["accuracy"] == ref_blocks["arc_easy"]["accuracy"] and arc["agreement_with_reference"] == 1.0
     assert result.blocks["decode"]["steps"] == 4 and result.blocks["decode"]["beyond_tolerance"] == 0
     assert result.total_nonfinite == 0 and result.nonfinite["arc_easy"]["of"] == tensors["arc_ids"].shape[0]
+    assert_declares_its_quality_columns(fam, result, ref_blocks, list(samples))

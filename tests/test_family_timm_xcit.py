@@ -19,7 +19,7 @@ from quantstudy import config, export, families, quantization  # noqa: E402
 from quantstudy.families.base import Family, Setting  # noqa: E402
 from quantstudy.families.timm_xcit import load_images  # noqa: E402
 
-from conftest import observed_amax, tiny_checkpoint
+from conftest import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
 
 RECIPE = {"quantize": ["blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc1", "blocks.*.mlp.fc2",
                        "cls_attn_blocks.*.attn.k", "cls_attn_blocks.*.attn.v"],
@@ -444,6 +444,7 @@ def test_fp8_disagreement_is_measured_against_fp32_and_against_another_engine(fa
         assert result.blocks[name]["top1_agreement"] == want
         # the fp32 engine is the reference up to rounding: the same agreement against it
         assert result.blocks[f"{name}_vs_fp32"]["top1_agreement"] == want
+    assert_declares_its_quality_columns(fam, result, reference[1], list(eval_sets), ["fp32"])
 
 
 # --- the study's configs ----------------------------------------------------------------------

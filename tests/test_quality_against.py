@@ -49,14 +49,14 @@ def evaluate(m, variant: str, against: dict[str, str], out) -> dict:
 def test_an_engine_against_itself_agrees_exactly(measured, tmp_path):
     doc = evaluate(measured, "fp16", {"fp16": measured["builds"]["fp16"]}, tmp_path / "quality.json")
     assert doc["status"] == "ok", doc.get("error")
-    vs = doc["blocks"]["vs_fp16"]["cls"]
+    vs = doc["blocks"]["cls_vs_fp16"]
     assert vs["relative_error"] == 0 and vs["cosine_min"] == pytest.approx(1, abs=1e-12) and vs["rows"] > 0
     assert doc["provenance"]["inputs"]["against_fp16"]["path"] == measured["builds"]["fp16"]
 
 
 def test_an_engine_against_another_differs_by_its_rounding(measured, tmp_path):
     doc = evaluate(measured, "fp16", {"fp32": measured["builds"]["fp32"]}, tmp_path / "quality.json")
-    vs = doc["blocks"]["vs_fp32"]["cls"]
+    vs = doc["blocks"]["cls_vs_fp32"]
     # fp16 against fp32 features: an fp16 rounding away, not equal and not unrelated
     assert 0 < vs["relative_error"] < 0.05 and vs["cosine_min"] > 0.99
     # against the fp32 engine, as against the fp32 reference (the same model in fp32)

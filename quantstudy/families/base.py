@@ -87,6 +87,16 @@ class Evaluation:
         return sum(int(v["bad"]) for v in self.nonfinite.values())
 
 
+@dataclass(frozen=True)
+class QualityColumns:
+    """The metric names a family's `reference` and `evaluate` write for a study: its quality table's
+    own columns, declared so that a decision condition naming one that is not there stops the run."""
+
+    blocks: dict[str, tuple[str, ...]]  # evaluate's blocks: block -> scalar metric names
+    nonfinite: tuple[str, ...]  # the sample sets evaluate's non-finite scan counts
+    reference: dict[str, tuple[str, ...]]  # reference's blocks
+
+
 def metrics_schema(properties: dict[str, Any]) -> dict[str, Any]:
     """A family's `metrics` schema: an object with exactly these keys, each required."""
     return {"type": "object", "additionalProperties": False, "required": list(properties), "properties": properties}
@@ -169,6 +179,10 @@ class Family(Protocol):
         """Quality of an engine (`run`) against the reference tensors, and the non-finite scan;
         `against` holds the engines of the variants the study's `quality_against` names (same target
         and setting), to compare with as the write-up does (Deformable DETR: against fp16)."""
+
+    def quality_columns(self, evaluation_samples: list[str], against: list[str]) -> QualityColumns:
+        """What `reference` and `evaluate` write, for a study with these evaluation sample lists and
+        these `quality_against` variants (checked against a real evaluation in the family's tests)."""
 
     def kernel_group(self, region: str | None, name: str, device: str, op: dict[str, Any] | None,
                      setting: Setting) -> str:

@@ -492,6 +492,14 @@ class DebertaV2:
         nonfinite["stress"]["kinds"] = sorted(set(stress["kinds"]))
         return Evaluation(blocks, nonfinite)
 
+    def quality_columns(self, evaluation_samples: list[str], against: list[str]) -> base.QualityColumns:
+        # mnli only for a checkpoint with a classification head (checkpoint.classification_head)
+        return base.QualityColumns(
+            blocks={"features": qm.TOKEN_RELATIVE_ERROR, "one_token": qm.TOKEN_COSINE,
+                    "checkpoint": ("classification_head",), "mnli": qm.HEAD_AGREEMENT},
+            nonfinite=("heldout", "mnli", "one_token", "stress"),
+            reference={"heldout": ("texts", "real_tokens"), "mnli": ("accuracy", "pairs")})
+
     # --- embedded default ----------------------------------------------------------------
     def tiny_checkpoint_files(self, architecture: dict[str, Any], tiny: dict[str, Any]) -> dict[str, bytes]:
         """A random-init model (seeded) with a word-level tokenizer, as checkpoint files: DebertaV2Model,

@@ -507,6 +507,16 @@ class DeformableDetr:
                                                      **agreement(their_logits, theirs, logits, mine, metrics)}
         return base.Evaluation(blocks, nonfinite)
 
+    def quality_columns(self, evaluation_samples: list[str], against: list[str]) -> base.QualityColumns:
+        from quantstudy import metrics as qm
+
+        agreement = ("logit_correlation", *qm.DETECTION_AGREEMENT)
+        return base.QualityColumns(
+            blocks={**{s: (*qm.COCO_BOX_AP, "reference_ap", "ap_drop", *agreement) for s in evaluation_samples},
+                    **{f"{s}_vs_{v}": ("ap", "ap_drop", *agreement) for s in evaluation_samples for v in against}},
+            nonfinite=tuple(evaluation_samples),
+            reference={s: qm.COCO_BOX_AP for s in evaluation_samples})
+
     @staticmethod
     def kernel_group(region: str | None, name: str, device: str, op: dict[str, Any] | None,
                      setting: base.Setting | None = None) -> str:

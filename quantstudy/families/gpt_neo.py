@@ -425,6 +425,16 @@ class GPTNeo:
                                                           metrics["decode_tolerance"])
         return base.Evaluation({"wikitext": wikitext, "arc_easy": arc, "decode": decode}, nonfinite)
 
+    def quality_columns(self, evaluation_samples: list[str], against: list[str]) -> base.QualityColumns:
+        from quantstudy import metrics as qm
+
+        return base.QualityColumns(
+            blocks={"wikitext": qm.NEXT_TOKEN_AGREEMENT, "arc_easy": (*qm.MULTIPLE_CHOICE, "agreement_with_reference"),
+                    "decode": ("prompts", "steps", "same_token", "within_tolerance", "beyond_tolerance", "tolerance",
+                               "max_logit_difference")},
+            nonfinite=("wikitext", "arc_easy", "short_prompts"),
+            reference={"wikitext": ("perplexity", "tokens"), "arc_easy": qm.MULTIPLE_CHOICE})
+
     @staticmethod
     def kernel_group(region: str | None, name: str, device: str, op: dict[str, Any] | None,
                      setting: base.Setting | None = None) -> str:

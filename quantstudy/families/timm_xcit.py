@@ -490,6 +490,15 @@ class TimmXcit:
         nonfinite["stress"] = {"bad": qm.nonfinite_rows(out), "of": out.shape[0], "kinds": sorted(set(stress["kinds"]))}
         return base.Evaluation(blocks, nonfinite)
 
+    def quality_columns(self, evaluation_samples: list[str], against: list[str]) -> base.QualityColumns:
+        from quantstudy import metrics as qm
+
+        return base.QualityColumns(
+            blocks={**{s: (*qm.TOP1_AGREEMENT, "top1_accuracy") for s in evaluation_samples},
+                    **{f"{s}_vs_{v}": qm.TOP1_AGREEMENT for s in evaluation_samples for v in against}},
+            nonfinite=(*evaluation_samples, "stress"),
+            reference={s: ("top1_accuracy", "images") for s in evaluation_samples})
+
     @staticmethod
     def kernel_group(region: str | None, name: str, device: str, op: dict[str, Any] | None,
                      setting: base.Setting | None = None) -> str:

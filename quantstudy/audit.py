@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from quantstudy import artifacts
 from quantstudy.artifacts import DIGEST, DamagedArtifact, now, provenance, read_json, sha256_file, sha256_path, write_json
 
@@ -183,6 +185,19 @@ def rederived_problems(tables_json: str | Path, doc: dict[str, Any]) -> list[str
             for key in sorted(set(a) | set(b), key=str) if a.get(key) != b.get(key)]
 
 
+def arguments_problems(tables_json: str | Path, doc: dict[str, Any], arguments: dict[str, Any],
+                       where: str) -> list[str]:
+    """The arguments tables.json records it was made with (the study, its baselines, the run, its
+    targets) against those the config gives (`arguments`: Run.aggregate_arguments, from `where`). A
+    threshold edited in the record, with the decision made again from it, agrees with itself; not with
+    the config files."""
+    recorded = artifacts.leaves(doc["provenance"]["params"])
+    expected = artifacts.leaves(artifacts.plain(arguments))
+    return [f"{tables_json}: made with {key} = {recorded.get(key, 'nothing')!r}, but {where} gives "
+            f"{expected.get(key, 'nothing')!r} (rerun the study, or the file was edited)"
+            for key in sorted(set(recorded) | set(expected), key=str) if recorded.get(key) != expected.get(key)]
+
+
 def check_chain(tables_json: str | Path) -> dict[str, Any]:
     """The whole chain behind tables.json (walk): every missing, changed or damaged file, and TEST01:
     the engine that was timed is the one that was evaluated, and it gave both jobs of a setting the same probe."""
@@ -221,23 +236,26 @@ def check_chain(tables_json: str | Path) -> dict[str, Any]:
     return {"files_checked": len({s["path"] for s in steps}), "problems": problems}
 
 
-def findings(tables_json: str | Path, readme: str | Path) -> tuple[bool, dict[str, Any]]:
+def findings(tables_json: str | Path, readme: str | Path, arguments: dict[str, Any],
+             where: str = "the run config") -> tuple[bool, dict[str, Any]]:
     """Whether the README is what the templates render from tables.json, and the chain's report
-    (check_chain) with that, and every input aggregate could not read, among its problems."""
+    (check_chain) with that, the arguments tables.json was made with against the config's
+    (`arguments`, from `where`), and every input aggregate could not read, among its problems."""
     from quantstudy import render
 
     tables = read_json(tables_json, "tables")
     readme_matches = render.render_section(tables, readme) == Path(readme).read_text()
     chain = check_chain(tables_json)
+    chain["problems"] = arguments_problems(tables_json, tables, arguments, where) + chain["problems"]
     if not readme_matches:
         chain["problems"].insert(0, f"{readme} is not what the templates render from {tables_json}")
     chain["problems"] += [f"an input could not be read: {d['error']}" for d in tables.get("damaged", [])]
     return readme_matches, chain
 
 
-def audit(tables_json: str, readme: str, out: str) -> None:
+def audit(tables_json: str, readme: str, arguments: dict[str, Any], out: str) -> None:
     started = now()
-    readme_matches, chain = findings(tables_json, readme)
+    readme_matches, chain = findings(tables_json, readme, arguments)
     for p in chain["problems"]:
         log.warning(p)
     log.info("audited %d files: %d problems", chain["files_checked"], len(chain["problems"]))
@@ -312,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="a study's README and everything behind it")
     check.add_argument("study_dir", help="results/<study>")
+    check.add_argument("--configfile", default="config/config.yaml", help="the run config the study ran with")
     one = sub.add_parser("chain", help="the chain of one number (a README and the number as shown) or one JSON")
     one.add_argument("source", help="results/<study>/README.md, or any artifact JSON")
     one.add_argument("number", nargs="?", help="the number as the README shows it (with the README)")
@@ -333,8 +352,15 @@ def main(argv: list[str] | None = None) -> int:
         print(reproduce.summary(report))
         return 0 if report["ok"] else 1
     if args.command == "check":
+        from quantstudy import config
+
         study = Path(args.study_dir)
-        problems = findings(study / "tables.json", study / "README.md")[1]["problems"]
+        run = config.load_run(yaml.safe_load(Path(args.configfile).read_text()), against_code=False)
+        if study.name not in run.studies:
+            print(f"{args.configfile} has no study {study.name!r}; its studies: {', '.join(run.studies)}", file=sys.stderr)
+            return 1
+        problems = findings(study / "tables.json", study / "README.md", run.aggregate_arguments(study.name),
+                            args.configfile)[1]["problems"]
         print("\n".join(problems) if problems else f"{study}: the README and every file behind it check out")
         return 1 if problems else 0
     if args.number is None:

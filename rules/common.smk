@@ -168,11 +168,6 @@ def variant_ident(w):
     return {"target": w.target, "model": w.model, "setting": w.setting, "variant": w.variant}
 
 
-def study_targets(s):
-    """The run's targets this study uses (its `targets:`, or all of them)."""
-    return [t for t in RUN.targets if not s.targets or t in s.targets]
-
-
 def repeat_file(name, repeat):
     """A variant's timing or quality file of one job (1, 2, ...): the first keeps the name a run without
     repeats has (timing.json, then timing-r2.json, ...)."""

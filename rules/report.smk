@@ -24,10 +24,8 @@ rule aggregate:
     conda:
         WORKFLOW_ENV
     params:
-        study=lambda w: study(w).raw,
-        baselines=lambda w: study(w).baselines(),
-        run={"name": RUN.name, "weights": RUN.weights, "note": config["run"].get("note", "")},
-        targets=lambda w: {n: vars(RUN.targets[n]) for n in study_targets(study(w))},
+        # the study, its baselines, the run and its targets: what the audit compares with the config
+        arguments=lambda w: RUN.aggregate_arguments(w.study),
     script:
         "../scripts/aggregate.py"
 
@@ -78,6 +76,8 @@ rule audit:
         "benchmarks/{study}/audit.tsv"
     conda:
         WORKFLOW_ENV
+    params:
+        arguments=lambda w: RUN.aggregate_arguments(w.study),
     script:
         "../scripts/audit.py"
 

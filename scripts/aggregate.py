@@ -2,4 +2,4 @@
 from quantstudy.jobserver import run
 
 run("quantstudy.aggregate:aggregate", snakemake.log[0], inputs={k: [str(p) for p in v] for k, v in snakemake.input.items()},
-    out=str(snakemake.output.tables), **snakemake.params)
+    out=str(snakemake.output.tables), **snakemake.params.arguments)

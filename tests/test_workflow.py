@@ -48,9 +48,9 @@ def test_quality_is_also_measured_against_the_variant_the_study_names(workflow_c
     for target in ("cpu-torch", "cpu-onnxruntime"):
         fp8 = json.loads((workflow_copy / f"results/fnet/{target}/fnet-base/w512/fp8/quality.json").read_text())
         assert fp8["provenance"]["inputs"]["against_fp16-hs"]["path"].endswith(f"{target}/fnet-base/w512/fp16-hs/build.json")
-        assert 0 < fp8["blocks"]["vs_fp16-hs"]["cls"]["relative_error"] < 1
+        assert 0 < fp8["blocks"]["cls_vs_fp16-hs"]["relative_error"] < 1
         own = json.loads((workflow_copy / f"results/fnet/{target}/fnet-base/w512/fp16-hs/quality.json").read_text())
-        assert "vs_fp16-hs" not in own["blocks"]
+        assert "cls_vs_fp16-hs" not in own["blocks"]
 
 
 def test_fp16_overflow_at_512_is_measured(workflow_copy):
@@ -297,7 +297,7 @@ def _audit_cli(repo: Path, *args: str):
 
 
 def test_the_audit_command_checks_a_study_and_prints_one_numbers_chain(workflow_copy):
-    proc = _audit_cli(workflow_copy, "check", "results/fnet")
+    proc = _audit_cli(workflow_copy, "check", "results/fnet", "--configfile", ".test/config.yaml")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # A number of the speed table, as the README shows it: the rows it can be, and each one's chain
     # down to the pinned checkpoint, with the job, machine and software of every step.
@@ -328,7 +328,7 @@ def test_the_chain_names_the_first_broken_link(workflow_copy, tmp_path):
     assert proc.returncode == 1
     broken = f"engine of graph main ({engine}) changed since the job that read it recorded its sha256"
     assert f"first broken link: results/fnet/cpu-torch/fnet-base/w512/fp8/build.json: {broken}" in proc.stderr
-    proc = _audit_cli(repo, "check", "results/fnet")
+    proc = _audit_cli(repo, "check", "results/fnet", "--configfile", ".test/config.yaml")
     assert proc.returncode == 1 and broken in proc.stdout
     # A job that opens it refuses it, naming the build to redo.
     proc = snakemake(repo, "--configfile", ".test/config.yaml", "--forcerun", "time", "--keep-going", timing)
@@ -430,8 +430,38 @@ def test_a_forged_x_or_table_cell_fails_the_audit_that_makes_it_again(workflow_c
     assert "is not what the templates render" not in log  # the README was rendered from the forged tables
     assert f"results/fnet/tables.json: speed.{row}.x is 1.5, but its input files give {recorded_x!r}" in log
     assert "results/fnet/tables.json: decision.ship is True, but its input files give False" in log
-    proc = _audit_cli(repo, "check", "results/fnet")
+    proc = _audit_cli(repo, "check", "results/fnet", "--configfile", ".test/config.yaml")
     assert proc.returncode == 1 and "decision.ship is True" in proc.stdout
+
+
+def test_a_threshold_forged_in_the_recorded_arguments_fails_the_audit_against_the_config(workflow_copy, tmp_path,
+                                                                                        monkeypatch):
+    """tables.json made again with care from a study whose speed threshold was lowered (every cell and the
+    decision what its input files give with that study, the digest recomputed, the README rendered from
+    it): it agrees with itself, and the audit, which takes the arguments from the config files, names
+    the threshold."""
+    import shutil
+
+    from quantstudy import aggregate, artifacts
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    monkeypatch.chdir(repo)  # the recorded input paths are the workflow's, relative to it
+    params = json.loads(Path("results/fnet/tables.json").read_text())["provenance"]["params"]
+    i, speed = next((i, c) for i, c in enumerate(params["study"]["decision"]["conditions"]) if c["table"] == "speed")
+    configured = speed["threshold"]
+
+    def lower_the_threshold(d):
+        d["provenance"]["params"]["study"]["decision"]["conditions"][i]["threshold"] = 0.01
+        d.update(artifacts.plain(aggregate.tables(aggregate.inputs_of(d), **d["provenance"]["params"])))
+    _forge(repo / "results/fnet/tables.json", lower_the_threshold)
+    assert json.loads(Path("results/fnet/tables.json").read_text())["decision"]["conditions"][i]["pass"]
+    proc = snakemake(repo, "--configfile", ".test/config.yaml", "--forcerun", "render", "--keep-going")
+    assert proc.returncode != 0
+    want = f"made with study.decision.conditions.{i}.threshold = 0.01, but the run config gives {configured!r}"
+    assert want in (repo / "logs/fnet/audit.log").read_text()
+    proc = _audit_cli(repo, "check", "results/fnet", "--configfile", ".test/config.yaml")
+    assert proc.returncode == 1 and want.replace("the run config", ".test/config.yaml") in proc.stdout
 
 
 def test_a_forged_sample_with_a_consistent_hash_fails_the_audit_that_draws_the_set_again(workflow_copy, tmp_path):
@@ -504,7 +534,7 @@ def test_a_tampered_revision_fails_the_audit(workflow_copy, tmp_path):
     checkpoint = repo / "results/fnet/fnet-base/checkpoint.json"
     pinned = json.loads(checkpoint.read_text())["revision"]
     _forge(checkpoint, lambda d: d.update(revision="0" * 40))
-    proc = _audit_cli(repo, "check", "results/fnet")
+    proc = _audit_cli(repo, "check", "results/fnet", "--configfile", ".test/config.yaml")
     assert proc.returncode == 1
     assert f"says revision {'0' * 40}, but its snapshot is commit {pinned}" in proc.stdout
     assert (f"results/fnet/fnet-base/checkpoint.json: fetched quantstudy-tiny/fnet-base at {'0' * 40}, but the "
@@ -570,7 +600,7 @@ def test_an_edited_readme_number_fails_the_audit(workflow_copy, tmp_path):
     assert proc.returncode != 0
     assert ("results/fnet/README.md is not what the templates render from results/fnet/tables.json"
             in (repo / "logs/fnet/audit.log").read_text())
-    assert _audit_cli(repo, "check", "results/fnet").returncode == 1
+    assert _audit_cli(repo, "check", "results/fnet", "--configfile", ".test/config.yaml").returncode == 1
 
 
 def test_each_built_variant_has_a_measurements_record_read_from_its_files(workflow_copy):
@@ -673,7 +703,7 @@ def test_a_sample_list_tampered_then_rerun_is_refused_and_the_audit_names_it(wor
     proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
     assert proc.returncode != 0
     assert refusal in (repo / "logs/fnet/fnet-base/w512/reference.log").read_text()
-    proc = _audit_cli(repo, "check", "results/fnet")
+    proc = _audit_cli(repo, "check", "results/fnet", "--configfile", ".test/config.yaml")
     assert proc.returncode == 1
     assert ("results/fnet/cpu-torch/fnet-base/w512/fp8/quality.json: input heldout (results/fnet/data/heldout.json) "
             "changed since the job that read it recorded its sha256") in proc.stdout
@@ -762,6 +792,20 @@ def test_the_speed_table_has_only_the_columns_a_decision_may_name(workflow_copy)
     columns = {k for row in tables["speed"] for k in row}
     assert {"x", "x_min", "variant_ms", "bound", "g", "status"} <= columns
     assert columns - SPEED_COLUMNS == {"window"}  # the study's one shape key
+
+
+def test_the_quality_table_has_the_columns_the_family_declares(workflow_copy):
+    """config.quality_columns(FNet's declaration) is what a quality condition may name: every column of a
+    run's quality table is one of them, and each declared metric is there."""
+    from quantstudy import families
+    from quantstudy.config import QUALITY_ROW_COLUMNS, quality_columns
+
+    tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
+    columns = {k for row in tables["quality"] for k in row}
+    declared = families.get("fnet").quality_columns(["heldout", "sts"], ["fp16-hs"])
+    assert columns - quality_columns(declared) == {"window"}
+    own = {f"{b}.{m}" for b, metrics in declared.blocks.items() for m in metrics}
+    assert own | {"cls_vs_fp16-hs.relative_error", "nonfinite.batch", "reference.sts.spearman"} | QUALITY_ROW_COLUMNS <= columns
 
 
 def test_x_is_the_baseline_time_over_the_variant_time_in_every_row(workflow_copy):

@@ -780,6 +780,9 @@ def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], varian
     problems += _metrics_and_seeds_problems(doc, family)
     declared = family.quality_columns(list(doc["evaluation_samples"]), list(doc["quality_against"]))
     problems += _column_problems(doc, "quality", quality_columns(declared))
+    if doc["quality_against"] and declared == family.quality_columns(list(doc["evaluation_samples"]), []):
+        problems.append(f"quality_against names {', '.join(doc['quality_against'])}, but the {doc['family']} family's "
+                        "evaluation compares with no other engine: those engines would be opened and measure nothing")
     if problems or not match_layers:
         return problems
     for name in doc["settings"]:

@@ -318,6 +318,14 @@ def test_a_quality_condition_may_name_the_comparison_with_a_quality_against_vari
     assert load(doc, tmp_path).quality_against == ["fp16"]
 
 
+def test_quality_against_for_a_family_that_compares_with_no_other_engine_stops_the_run(tmp_path):
+    """DeBERTa's evaluation has no comparison with another engine: quality_against would only open engines."""
+    path = tmp_path / "override.yaml"
+    path.write_text("quality_against: [fp16]\n")
+    with pytest.raises(qc.ConfigError, match="the deberta_v2 family's evaluation compares with no other engine"):
+        qc.load_study(ROOT / "config/studies/deberta_v2.yaml", [ROOT / "config/tiny/deberta_v2.yaml", path])
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["metrics"].update(mask_fracton=0.15), "metrics: Additional properties are not allowed ('mask_fracton' "
                                                        "was unexpected) (the fnet family's metrics)"),

@@ -294,6 +294,48 @@ def test_a_decision_condition_that_names_nothing_stops_the_run(edit, message, tm
 
 
 @pytest.mark.parametrize("edit, message", [
+    (lambda d: d["samples"]["heldout"].update(dataset="wikitxt"), "samples 'heldout' name unknown dataset 'wikitxt'"),
+    (lambda d: d["samples"]["heldout"].update(split="tset"), "samples 'heldout': dataset 'wikitext' has no split 'tset'"),
+    (lambda d: d.update(evaluation_samples=["heldout", "stss"]), "evaluation_samples names 'stss', no entry of samples"),
+    (lambda d: d["recipe"]["activation_calibration"].update(samples="calibraton"),
+     "recipe.activation_calibration.samples names 'calibraton', no entry of samples"),
+    (lambda d: d["models"]["fnet-base"].update(settings=["w128", "w521"]), "model 'fnet-base' names unknown setting 'w521'"),
+    (lambda d: d.update(candidate="fp8-hs"), "candidate names unknown variant 'fp8-hs'"),
+    (lambda d: d["baseline"].update(default="fp61"), "baseline.default names unknown variant 'fp61'"),
+    (lambda d: d["baseline"]["by_setting"].update({"w521": "fp16"}), "baseline.by_setting names unknown setting 'w521'"),
+    (lambda d: d["baseline"]["by_setting"].update(w512="fp16-sh"), "baseline.by_setting.w512 names unknown variant 'fp16-sh'"),
+    (lambda d: d["variants"]["fp8"].update(timed=False), "candidate names 'fp8', a quality-only variant"),
+    (lambda d: d["targets"]["cpu-onnxruntime"].update(settings=["w821"]),
+     "targets.cpu-onnxruntime.settings names unknown setting 'w821'"),
+    (lambda d: d["targets"]["cpu-onnxruntime"].update(variants=["fp16", "fp8", "fp9"]),
+     "targets.cpu-onnxruntime.variants names unknown variant 'fp9'"),
+    (lambda d: d["targets"]["cpu-onnxruntime"].update(variants=["fp8"]),
+     "targets.cpu-onnxruntime.variants leaves out 'fp16', the baseline of setting 'w128'"),
+    (lambda d: d["models"]["fnet-base"].update(architecture="tiny-fnet-bsae"), "unknown architecture 'tiny-fnet-bsae'"),
+])
+def test_each_kind_of_name_in_a_study_must_name_something_that_exists(edit, message, tmp_path):
+    """Datasets, splits, sample lists, settings, variants (candidate, baselines, per target) and
+    architectures: a misspelt one stops the run with a sentence that names it."""
+    doc = study_doc()
+    edit(doc)
+    with pytest.raises(qc.ConfigError, match=re.escape(message)):
+        load(doc, tmp_path)
+
+
+def test_a_run_config_names_its_studies_and_targets_as_they_are(tmp_path):
+    """A study entry whose spec is another study, and a study that names a target the run lacks."""
+    run = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    run["studies"] = {"fnet": run["studies"]["timm_xcit"]}
+    with pytest.raises(qc.ConfigError, match="config names study 'fnet' but config/studies/timm_xcit.yaml is study 'timm_xcit'"):
+        qc.load_run(run, against_code=False)
+    run = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    del run["targets"]["cpu-onnxruntime"]
+    with pytest.raises(qc.ConfigError, match=re.escape("study 'fnet' names targets ['cpu-onnxruntime'] that the run "
+                                                       "does not define")):
+        qc.load_run(run, against_code=False)
+
+
+@pytest.mark.parametrize("edit, message", [
     (lambda c: c.update(column="mlm.top1_agrement"), "column 'mlm.top1_agrement' is no column of the quality table; "
                                                      "did you mean mlm.top1_agreement"),
     (lambda c: c.update(column="nonfinite.stres"), "did you mean nonfinite.stress"),

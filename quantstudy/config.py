@@ -609,8 +609,9 @@ def _column_problems(doc: dict[str, Any], table: str, columns: frozenset[str]) -
         for what, name in [("column", c["column"]), *(("rows filter", key) for key in c.get("rows") or {})]:
             if name not in columns:
                 near = difflib.get_close_matches(name, columns, n=3)
+                listed = sorted(c for c in columns if not c.endswith((".jobs_min", ".jobs_max")))  # each number has both
                 problems.append(f"{where}: {what} {name!r} is no column of the {table} table; "
-                                + (f"did you mean {' or '.join(near)}?" if near else f"its columns: {', '.join(sorted(columns))}"))
+                                + (f"did you mean {' or '.join(near)}?" if near else f"its columns: {', '.join(listed)}"))
     return problems
 
 

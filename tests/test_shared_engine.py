@@ -135,6 +135,11 @@ def test_the_dag_builds_a_shared_engine_once_and_times_it_at_both_sizes(tmp_path
                         "fp8": {"precision": "float16", "transforms": [{"fp8": {}}]}}}
     doc["recipe"] = {**doc["recipe"], "quantize": CASES["deformable_detr"].quantize}
     doc.pop("published")  # FNet's write-up numbers: this study has none
+    # FNet's speed condition, and a quality condition on a column a detector's evaluation writes
+    doc["decision"] = {"conditions": [
+        next(c for c in doc["decision"]["conditions"] if c["table"] == "speed"),
+        {"name": "held-out COCO AP", "table": "quality", "column": "heldout.ap", "reduce": "min", "compare": ">=",
+         "threshold": 0, "basis": "set by this test"}]}
     (tmp_path / "study.yaml").write_text(json.dumps(doc))
     (tmp_path / "config.yaml").write_text(json.dumps({
         "run": {"name": "dag-test", "weights": "tiny-random-init"}, "hf_cache": "resources/hf-cache", "offline": True,

@@ -66,9 +66,9 @@ def job_settings() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: references and the fp32 DFT
     torch.backends.cudnn.allow_tf32 = False
     # Only cuDNN engines that cuDNN marks deterministic: every job that opens one build must get one
-    # answer (the audit's probes). Without it, 2 of 4 processes that opened one compiled tiny detector
-    # engine (fp32) on an H200 got other bits, and its convolutions are its only cuDNN work
-    # (benchmarks/compile_determinism.py measures both ways; its first results are in the H200 evidence).
+    # answer (the audit's probes). Not enough on its own: 6 processes that opened one compiled tiny
+    # detector engine (fp32) on an H200 at once still got 4 answers with it, 5 without
+    # (benchmarks/compile_determinism.py; results/h200-deformable-detr/README.md).
     torch.backends.cudnn.deterministic = True
     torch.manual_seed(0)
     if not torch.cuda.is_available():

@@ -2,7 +2,8 @@
 # The evidence run of results/h200-build-once/ (issue 27, build once, measure that build): the real-size
 # timm XCiT study (random weights) on one offline H200 node, torch backend, from the repository root,
 # with every torch engine compiled in its build and only opened by the jobs that measure it.
-# ./.whl holds the wheels the node lacks (see ../shared/offline-gpu/README.md).
+# ./.whl holds the wheels the node lacks (see ../shared/offline-gpu/README.md; for Deformable DETR,
+# `bash ../shared/offline-gpu/wheels.sh faster-coco-eval==1.8.0`: the node has no COCO evaluator).
 #   OUT=/some/dir bash results/h200-build-once/run.sh
 # Both passes of the study (pass 1: everything but `time` and `profile`, builds compiling side by side;
 # pass 2: the measurements, one at a time), timed as one; then the GPU tests (GPUTESTS=0: none).

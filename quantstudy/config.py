@@ -607,11 +607,13 @@ def _column_problems(doc: dict[str, Any], table: str, columns: frozenset[str]) -
             continue
         where = f"decision.conditions[{i}] ({c['name']!r})"
         for what, name in [("column", c["column"]), *(("rows filter", key) for key in c.get("rows") or {})]:
-            if name not in columns:
-                near = difflib.get_close_matches(name, columns, n=3)
-                listed = sorted(c for c in columns if not c.endswith((".jobs_min", ".jobs_max")))  # each number has both
-                problems.append(f"{where}: {what} {name!r} is no column of the {table} table; "
-                                + (f"did you mean {' or '.join(near)}?" if near else f"its columns: {', '.join(listed)}"))
+            if name in columns:
+                continue
+            near = difflib.get_close_matches(name, columns, n=3)
+            # without a near name, every column but the .jobs_ ranges (each number has both)
+            listed = sorted(col for col in columns if not col.endswith((".jobs_min", ".jobs_max")))
+            problems.append(f"{where}: {what} {name!r} is no column of the {table} table; "
+                            + (f"did you mean {' or '.join(near)}?" if near else f"its columns: {', '.join(listed)}"))
     return problems
 
 

@@ -20,8 +20,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from quantstudy import artifacts
 from quantstudy.artifacts import DIGEST, DamagedArtifact, now, provenance, read_json, sha256_file, sha256_path, write_json
 
@@ -355,9 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         from quantstudy import config
 
         study = Path(args.study_dir)
-        run = config.load_run(yaml.safe_load(Path(args.configfile).read_text()), against_code=False)
-        if study.name not in run.studies:
-            print(f"{args.configfile} has no study {study.name!r}; its studies: {', '.join(run.studies)}", file=sys.stderr)
+        try:
+            run = config.run_of_study(args.configfile, study.name)
+        except config.ConfigError as e:
+            print(e, file=sys.stderr)
             return 1
         problems = findings(study / "tables.json", study / "README.md", run.aggregate_arguments(study.name),
                             args.configfile)[1]["problems"]

@@ -805,6 +805,15 @@ def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], varian
     return problems
 
 
+def run_of_study(configfile: str | Path, name: str) -> Run:
+    """The run config `configfile`, checked as a run checks it without the code, which must run study
+    `name`: what an auditor names with --configfile."""
+    run = load_run(_load_yaml(Path(configfile)), against_code=False)
+    if name not in run.studies:
+        raise ConfigError(f"{configfile} has no study {name!r}; its studies: {', '.join(run.studies)}")
+    return run
+
+
 def load_run(config: dict[str, Any], against_code: bool = True) -> Run:
     """Validate a run config (the dict Snakemake read) and everything it names."""
     _validate(config, "config.schema.yaml", "workflow config")

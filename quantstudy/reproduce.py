@@ -134,26 +134,16 @@ def scratch_copy(study: str, scratch: Path) -> Path:
     return scratch
 
 
-def _study(configfile: str, name: str):
-    """The study `name` of the run config `configfile` (checked as a run checks it, without the code)."""
-    import yaml
-
-    from quantstudy import config
-
-    run = config.load_run(yaml.safe_load(Path(configfile).read_text()), against_code=False)
-    if name not in run.studies:
-        raise config.ConfigError(f"{configfile} has no study {name!r}; its studies: {', '.join(run.studies)}")
-    return run.studies[name]
-
-
 def reproduce(study_dir: str | Path, configfile: str, jobs: list[str], scratch: str | Path | None = None,
               cores: int = 2, out: str | Path | None = None) -> dict[str, Any]:
     """Re-execute `jobs` (measurement JSON paths of one study) in a scratch copy and compare."""
+    from quantstudy import config
+
     started, study_dir = now(), Path(study_dir)
     scratch = Path(scratch or tempfile.mkdtemp(prefix=f"reproduce-{study_dir.name}-"))
     report: dict[str, Any] = {"study": study_dir.name, "configfile": configfile, "scratch": str(scratch),
                               "jobs": [], "skipped": []}
-    timing_tolerance = _study(configfile, study_dir.name).reproduce_tolerance
+    timing_tolerance = config.run_of_study(configfile, study_dir.name).studies[study_dir.name].reproduce_tolerance
     recorded, runnable = {}, []
     for path in jobs:
         try:

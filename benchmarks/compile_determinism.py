@@ -1,7 +1,7 @@
 """Does every job that opens one torch engine get the same answer? (issue 27, build once; issue 24)
 
     python benchmarks/compile_determinism.py --work /tmp/cd [--opens 4] [--model detr-tiny]
-        [--dtype float32] [--size 320] [--modes jobs cudnn-free inductor-deterministic eager]
+        [--dtype float32] [--size 320] [--modes jobs inductor-benchmarks cudnn-free eager]
 
 On a GPU: for each mode, build one engine with the workflow's own TorchBackend (a fresh process),
 then open it in `--opens` fresh processes at once (as jobs open an engine side by side). Each prints
@@ -9,10 +9,12 @@ one JSON line: the cache artifacts it loaded by kind, the sha256 of its outputs 
 whether 3 calls in the process gave the same bits, and its time per CUDA-graph replay (50 replays).
 
 Modes, each with the process settings of a workflow job (steps.job_settings) and then:
-  jobs                    nothing else (what the workflow runs)
-  cudnn-free              torch.backends.cudnn.deterministic off (the first Deformable DETR run's setting)
-  inductor-deterministic  TORCHINDUCTOR_DETERMINISTIC=1 (inductor does not benchmark choices that change numerics)
-  eager                   no torch.compile (the module itself, CUDA graph replay)
+  jobs                  nothing else (what the workflow runs)
+  inductor-benchmarks   compiled without inductor's deterministic mode (torch_backend.INDUCTOR_OPTIONS
+                        empty): inductor benchmarks choices that change numerics when a process first
+                        runs the engine (the workflow until 2026-12-05)
+  cudnn-free            that, and torch.backends.cudnn.deterministic off (the first Deformable DETR run)
+  eager                 no torch.compile (the module itself, CUDA graph replay)
 Models: `reductions`, a module whose column mean over 20000 rows is a split reduction (its configs
 autotune at run time); `detr-tiny` and `detr`, the project's Deformable DETR engine
 (families/deformable_detr.DetectorEngine) of config/architectures/tiny-deformable-detr.json or
@@ -31,7 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROWS, WIDTH, KEYS, LAYERS = 20000, 256, 300, 8
-MODES = ("jobs", "cudnn-free", "inductor-deterministic", "eager")
+MODES = ("jobs", "inductor-benchmarks", "cudnn-free", "eager")
 ARGS = argparse.Namespace(model="reductions", dtype="float16", size=320, mode="jobs")
 
 
@@ -42,6 +44,10 @@ def _settings() -> None:
     from quantstudy.steps import job_settings
 
     job_settings()
+    if ARGS.mode in ("inductor-benchmarks", "cudnn-free"):
+        from quantstudy.backends import torch_backend
+
+        torch_backend.INDUCTOR_OPTIONS = {}
     if ARGS.mode == "cudnn-free":
         torch.backends.cudnn.deterministic = False
 
@@ -145,13 +151,12 @@ def main() -> None:
     if args.role == "open":
         return open_and_run(args.work)
     for mode in args.modes:
-        env = {**os.environ, "TORCHINDUCTOR_DETERMINISTIC": "1" if mode == "inductor-deterministic" else "0"}
         out = args.work / mode
         me = [sys.executable, __file__, "--work", str(out), "--model", args.model, "--dtype", args.dtype,
               "--size", str(args.size), "--mode", mode]
         print(f"## {args.model} {args.dtype} {args.size} {mode}", flush=True)
-        subprocess.run(me + ["--role", "build"], env=env, check=True)
-        opens = [subprocess.Popen(me + ["--role", "open"], env=env) for _ in range(args.opens)]
+        subprocess.run(me + ["--role", "build"], check=True)
+        opens = [subprocess.Popen(me + ["--role", "open"]) for _ in range(args.opens)]
         if any(p.wait() for p in opens):
             sys.exit(f"{mode}: an open failed")
 

@@ -131,6 +131,26 @@ def test_a_shape_the_build_did_not_compile_is_refused(built, opened_elsewhere):
     assert "snakemake --forcerun build" in result["error"]
 
 
+class _TwoGraphs(torch.nn.Module):
+    def forward(self, x):
+        y = torch.relu(x) + 1
+        torch._dynamo.graph_break()
+        return {"features": y.sum(0)}
+
+
+def test_every_graph_of_a_compiled_engine_is_compiled_in_inductor_deterministic_mode(monkeypatch):
+    """Without inductor's deterministic mode, jobs that open one build on a GPU benchmark choices that
+    change numerics when they first run it, and disagree (torch_backend.INDUCTOR_OPTIONS). The mode must
+    hold for every graph of an engine: set in torch._inductor.config, torch.compile turns it off again."""
+    modes = []
+    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass",
+                        lambda graph: modes.append(torch._inductor.config.deterministic))
+    torch.compiler.reset()
+    torch_backend.Runner(_TwoGraphs(), {"x": torch.randn(8, 4)}, compile=True)
+    assert modes == [True, True]
+    assert backends.get("torch").builder_options(TARGET)["inductor_options"] == {"deterministic": True}
+
+
 def test_an_engine_built_without_compiling_is_refused(tiny, tmp_path):
     backends.get("torch").build(tiny["variant"](), tmp_path, dataclasses.replace(TARGET, compile=False),
                                 backends.Shapes((tiny["example"],)))

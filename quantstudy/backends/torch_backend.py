@@ -11,7 +11,8 @@ loads those artifacts into a cache of its own and compiles nothing: dynamo trace
 (seconds), and every graph must then be found in the loaded artifacts, or opening fails and names the
 build to rerun. So the timed, the profiled and the evaluated program are the same kernels with the
 same autotuning choices. What keys a compiled graph includes process settings the build and every
-job set alike (steps.job_settings; on a CPU, inductor's code depends on the intra-op thread count).
+job set alike (steps.job_settings; on a CPU, inductor's code depends on the intra-op thread count),
+and the compile options (INDUCTOR_OPTIONS).
 (An AOTInductor package would also skip the trace, but loading one segfaulted on torch 2.11.)
 """
 
@@ -34,6 +35,13 @@ from quantstudy.backends import Inputs, Shapes, batch_chunks, register
 
 ENGINE_FILE = "engine.safetensors"
 COMPILED_FILE = "compiled.bin"  # inductor's cache artifacts of the engine at its built shapes
+# Inductor's deterministic mode: its code does not benchmark, when a process first runs it, choices that
+# change numerics (reduction splits, padding), so every job that opens one build gets one answer. On an
+# H200, 6 processes that opened one compiled tiny detector engine (fp32) at once got 4 answers without
+# it, 1 with it (benchmarks/compile_determinism.py; its results are in the H200 evidence). A compile
+# option, not a torch._inductor.config setting: torch.compile sets that back to torch's
+# deterministic-algorithms flag (off) as it compiles each frame.
+INDUCTOR_OPTIONS = {"deterministic": True}
 
 log = logging.getLogger("quantstudy")
 
@@ -154,6 +162,7 @@ class TorchBackend:
         return {"device": target.device, "torch_compile": bool(target.compile),
                 "compiled_program": (f"{COMPILED_FILE}: inductor cache artifacts made by the build at the engine's "
                                      f"shapes, loaded by every job that opens it" if target.compile else "none"),
+                **({"inductor_options": INDUCTOR_OPTIONS} if target.compile else {}),
                 "cuda_graph": cuda, "fp8_path": fp8,
                 **({"cudnn_deterministic": bool(torch.backends.cudnn.deterministic)} if cuda else {})}
 
@@ -243,7 +252,7 @@ class Runner:
         self.static_inputs = {k: v.to(self.device) for k, v in example.items()}
         self.graph = None
         if compile:
-            self.model = torch.compile(model, dynamic=False)
+            self.model = torch.compile(model, dynamic=False, options=INDUCTOR_OPTIONS)
         if self.device.type == "cuda":
             self._capture()
         elif compile:

@@ -1,22 +1,23 @@
 """The torch backend's engines against plain torch implementations of the same math, in one process.
 
-    python benchmarks/torch_vs_plain.py [--tiny] [--families fnet deberta_v2] [--settings 'fnet-base/*']
-        [--profile] [--budget-s 450] [--compile-workers] [--out torch_vs_plain.json] [--work DIR]
+    python benchmarks/torch_vs_plain.py [--tiny | --config RUN.yaml] [--families fnet deberta_v2]
+        [--settings 'fnet-base/*'] [--profile] [--budget-s 450] [--compile-workers] [--out torch_vs_plain.json]
+        [--workdir CHECKOUT] [--cores N]
     python benchmarks/torch_vs_plain.py --summary A.json B.json   # several calls' outputs together
 
 On an offline H200 node (./.whl as for results/h200-torch/run.sh), from the repository root:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 python3 benchmarks/torch_vs_plain.py --profile \
-        --budget-s 450 --work /tmp/torch-vs-plain --out $OUT/torch_vs_plain.json > $OUT/torch_vs_plain.md
+        --budget-s 450 --out $OUT/torch_vs_plain.json > $OUT/torch_vs_plain.md
 
 For each timed model and setting of the run config (config/h200.yaml: real size, random weights,
 the H200 torch target; --tiny: config/config.yaml's tiny models on the CPU torch target), the
-project's baseline (fp16) and candidate (FP8) engines are made by the workflow's own step
-functions, as the `local_hub`, `fetch_checkpoint`, `fetch_dataset`, `calibrate`, `build` and
-`time` rules make them (quantstudy.steps: seeded random-init checkpoints, a short ModelOpt
-calibration on the first --calibration-samples of each calibration set, apply_variant, the torch
-backend's build and Runner). Beside them, plain implementations of the same math
+project's baseline (fp16) and candidate (FP8) engines are the workflow's: the script first runs
+`snakemake --configfile RUN.yaml <their build.json>` in --workdir (the local hub, checkpoints,
+samples, calibration and builds, cached as in any run), then opens each build as a measurement job
+does (steps.open_engines: the backend contract, from the build's compiled program on a compiling
+target). Beside them, plain implementations of the same math
 (benchmarks/plain/, which says what plain means per family) with the same weights and the same
 amax, opened by the same Runner (torch.compile and CUDA-graph replay on a GPU; eager on the CPU).
 A row per graph of the setting (one, main, but for GPT-Neo's prefill and decode). The four engines
@@ -48,10 +49,12 @@ their builds, and opened from what the build saved, as in the workflow).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import functools
 import gc
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -68,8 +71,7 @@ import torch  # noqa: E402
 
 import plain  # noqa: E402
 import plain.fp8  # noqa: E402
-from quantstudy import artifacts, config, quantization, steps, timing as qt  # noqa: E402
-from quantstudy import families as family_registry  # noqa: E402
+from quantstudy import artifacts, config, families, quantization, steps, timing as qt  # noqa: E402
 from quantstudy.backends import torch_backend  # noqa: E402
 
 log = logging.getLogger("torch_vs_plain")
@@ -89,74 +91,24 @@ def _say(msg: str, started: float = time.perf_counter()) -> None:
     print(f"[{time.perf_counter() - started:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
-def setting_params(st) -> dict[str, Any]:
-    """A setting as the rules pass it to the steps."""
-    return {"name": st.name, "batch": st.batch, "shape": dict(st.shape), "quality": st.quality}
+def build_json(study: config.Study, target: config.Target, model: str, setting: str, variant: str) -> Path:
+    """Where the workflow writes the build of a variant that a setting is timed on (the engine of the
+    setting its `engine:` names, or its own)."""
+    return Path("results", study.name, target.name, model, study.engine_setting(setting), variant, "build.json")
 
 
-class Inputs:
-    """The pinned inputs of a run, made by the workflow's steps into `work` (the workflow's layout,
-    under `work` instead of results/), once per process: files of an earlier run are made again,
-    unless `reuse` (a compile worker, which opens what its parent made)."""
-
-    def __init__(self, run: config.Run, work: Path, calibration_samples: int, reuse: bool = False):
-        self.run, self.work, self.calibration_samples, self.reuse = run, work, calibration_samples, reuse
-        self.cache = work / "hf-cache"
-        self._hub: dict[str, Path | None] = {}
-        self._made: set[Path] = set()
-        self._placed: set[tuple[str, str]] = set()  # (study, model) whose checkpoints are in the cache
-
-    def _make(self, out: Path) -> bool:
-        """Whether `out` is still to be made in this process (and from now on counts as made)."""
-        new = out not in self._made and not (self.reuse and out.exists())
-        self._made.add(out)
-        return new
-
-    def local_hub(self, study: config.Study, model: str) -> None:
-        """Generate the model's random-init (or tiny) checkpoint into the cache; with the study's first
-        call, also its datasets and its first model, for which the local_hub rule generates them."""
-        specs = {m["repo"]: m for m in study.local_hub_specs()["models"]}
-        fresh = study.name not in self._hub
-        names = [m for m in dict.fromkeys([next(iter(study.models)), model] if fresh else [model])
-                 if (study.name, m) not in self._placed]
-        self._placed |= {(study.name, m) for m in names}
-        models = [specs[study.models[m].repo] for m in names if study.models[m].repo in specs]
-        datasets = study.local_hub_specs()["datasets"] if fresh else []
-        if models or datasets:
-            out = self.work / study.name / ("local_hub.json" if fresh else f"local_hub-{model}.json")
-            if self._make(out):
-                steps.local_hub(study.family, models, datasets, str(self.cache), str(out), self.run.weights)
-            self._hub.setdefault(study.name, out)
-        self._hub.setdefault(study.name, None)
-
-    def checkpoint(self, study: config.Study, model: str) -> Path:
-        out = self.work / study.name / model / "checkpoint.json"
-        if self._make(out):
-            m = study.models[model]
-            hub_json = self._hub.get(study.name)
-            steps.fetch_checkpoint(m.repo, m.revision, str(self.cache), True, self.run.weights, str(out),
-                                   str(hub_json) if hub_json else None)
-        return out
-
-    def samples(self, study: config.Study, name: str) -> Path:
-        out = self.work / study.name / "data" / f"{name}.json"
-        if self._make(out):
-            spec = dict(study.sample_spec(name))
-            spec["count"] = min(spec["count"], self.calibration_samples)
-            hub_json = self._hub.get(study.name)
-            steps.fetch_dataset(name, spec, study.sample_dataset(name), study.family, str(self.cache),
-                                True, str(self.checkpoint(study, next(iter(study.models)))), str(out),
-                                str(hub_json) if hub_json else None)
-        return out
-
-    def amax(self, study: config.Study, model: str, setting: str) -> Path:
-        out = self.work / study.name / model / "calib" / setting / "amax.json"
-        if self._make(out):
-            sets = [str(self.samples(study, s)) for s in config.calibration_sample_sets(study.recipe)]
-            steps.calibrate(study.family, model, setting_params(study.setting(setting)),
-                            study.models[model].architecture, study.recipe, str(self.checkpoint(study, model)),
-                            sets if len(sets) > 1 else sets[0], str(out))
-        return out
+def workflow_builds(todo: list[tuple[config.Study, str, str]], target: config.Target, config_file: Path,
+                    cores: int) -> None:
+    """Have the workflow make the baseline and candidate builds of every planned setting (and what
+    they need: local hub, checkpoint, samples, calibration), as `snakemake <build.json>` would: these
+    are the study's own engines, cached and rebuilt only when their inputs change."""
+    wanted = sorted({str(build_json(study, target, m, st, v)) for study, m, st in todo
+                     for v in (study.baseline(st), study.candidate)})
+    _say(f"snakemake: {len(wanted)} builds")
+    done = subprocess.run([sys.executable, "-m", "snakemake", "--configfile", str(config_file), "--cores", str(cores),
+                           "--keep-going", "--rerun-incomplete", *wanted], capture_output=True, text=True)
+    if done.returncode != 0:  # a setting whose build is missing fails alone (measure), the others run
+        _say("snakemake failed; its last lines:\n" + "\n".join(done.stderr.splitlines()[-30:]))
 
 
 def difference(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
@@ -238,7 +190,7 @@ def fp8_layers_agree(project: torch.nn.Module, plain_model: torch.nn.Module, inp
 def fp32_outputs(family: str, snapshot: str, st, graph: str, example: dict[str, torch.Tensor], device: str
                  ) -> dict[str, torch.Tensor]:
     """The fp32 graph module's outputs (eager, TF32 off): what fp16 rounding is measured against."""
-    module = steps._family(family).module(snapshot, graph, st).to(device).eval()
+    module = families.get(family).module(snapshot, graph, st).to(device).eval()
     with torch.no_grad():
         out = module(**{k: v.to(device) for k, v in quantization.cast_inputs(example, "float32").items()})
     return {k: v.float().cpu() for k, v in out.items()}
@@ -251,10 +203,10 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(study: config.Study, model: str, setting: str, target: dict[str, Any], inputs: Inputs,
-            args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Build the project's baseline and candidate, then per graph open, check, time (and profile)
-    them and the plain ones: a row per graph."""
+def measure(study: config.Study, model: str, setting: str, target: config.Target, args: argparse.Namespace
+            ) -> list[dict[str, Any]]:
+    """Open the workflow's builds of the baseline and candidate, then per graph check, time (and
+    profile) them against the plain ones: a row per graph."""
     seconds: dict[str, float] = {}
     lap = time.perf_counter()
 
@@ -264,34 +216,25 @@ def measure(study: config.Study, model: str, setting: str, target: dict[str, Any
         lap = time.perf_counter()
         _say(f"{model}/{setting}: {what} {seconds[what]} s")
 
-    family, st, arch = study.family, study.setting(setting), study.models[model].architecture
     baseline, candidate = study.baseline(setting), study.candidate
-    inputs.local_hub(study, model)
-    ckpt = inputs.checkpoint(study, model)
-    amax = inputs.amax(study, model, study.calibration_setting(model, setting))
-    done("inputs (local hub, checkpoint, samples, calibration)")
-    builds, engine = {}, study.setting(study.engine_setting(setting))  # a setting may run on another's engine
+    builds = {}
     for v in (baseline, candidate):
-        out = inputs.work / study.name / target["target"] / model / engine.name / v / "build.json"
-        if inputs._make(out):
-            steps.build({"target": target["target"], "model": model, "setting": engine.name, "variant": v}, family,
-                        target, setting_params(engine), arch, study.variants[v].spec(engine), study.recipe, str(ckpt),
-                        str(amax) if study.variants[v].has_fp8(engine) else None, str(out),
-                        serves=[setting_params(study.setting(s)) for s in
-                                study.served_settings(target["target"], model, engine.name, v)])
-        builds[v] = artifacts.read_json(out, "build")
+        path = build_json(study, target, model, setting, v)
+        if not path.exists():
+            raise RuntimeError(f"the workflow did not make {path}: see logs/{path.parent.relative_to('results')}/")
+        builds[v] = artifacts.read_json(path, "build")
         if builds[v]["status"] != "ok":
             raise RuntimeError(f"the project's build of {v} failed:\n{builds[v]['error']}")
-    done("project builds")
     if args.compile_workers and not args.open_only:
         # The project's engines were compiled by their builds; the plain ones are compiled here.
-        engines = [f"plain {v}" for v in (baseline, candidate)]
-        compile_in_workers(model, setting, engines, args)
+        compile_in_workers(model, setting, [f"plain {v}" for v in (baseline, candidate)], args)
         done("compile workers (one process per engine, in parallel)")
+    ckpt = builds[baseline]["provenance"]["inputs"]["checkpoint"]["path"]
     snapshot = artifacts.read_json(ckpt, "checkpoint")["snapshot"]
     rows = []
-    for graph in steps._family(family).graphs(st, arch):
-        row = measure_graph(study, model, setting, graph, target, snapshot, str(ckpt), builds, args, done)
+    st = study.setting(setting)
+    for graph in families.get(study.family).graphs(st, study.models[model].architecture):
+        row = measure_graph(study, model, setting, graph, target, snapshot, ckpt, builds, args, done)
         if row is not None:  # None: a compile worker, which only opens
             rows.append({**row, "seconds": dict(seconds)})
         seconds.clear()
@@ -305,9 +248,8 @@ def compile_in_workers(model: str, setting: str, engines: list[str], args: argpa
     A worker that fails is logged and left: this process compiles that engine itself."""
     logs = args.work / "compile-workers"
     logs.mkdir(parents=True, exist_ok=True)
-    common = [sys.executable, __file__, "--config", str(run_config(args)), "--settings", f"{model}/{setting}", "--work",
-              str(args.work), "--calibration-samples", str(args.calibration_samples)]
-    common += ["--device", args.device] if args.device else []
+    common = [sys.executable, str(Path(__file__).resolve()), "--config", str(run_config(args).resolve()), "--settings",
+              f"{model}/{setting}", "--work", str(args.work.resolve()), "--workdir", str(Path.cwd())]
     workers = {}
     for engine in engines:
         log_file = logs / f"{model}-{setting}-{engine.replace(' ', '-')}.log"
@@ -320,7 +262,7 @@ def compile_in_workers(model: str, setting: str, engines: list[str], args: argpa
             _say(f"{model}/{setting}: the compile worker of {engine} failed ({log_file}); compiling it here:\n{tail}")
 
 
-def measure_graph(study: config.Study, model: str, setting: str, graph: str, target: dict[str, Any], snapshot: str,
+def measure_graph(study: config.Study, model: str, setting: str, graph: str, target: config.Target, snapshot: str,
                   ckpt: str, builds: dict[str, dict[str, Any]], args: argparse.Namespace,
                   done) -> dict[str, Any] | None:
     """One graph of the built baseline and candidate against the plain ones: open, check, time, profile.
@@ -337,17 +279,17 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
     for v in (baseline, candidate):
         if opens(f"project {v}"):
             with fx_graph_cache() as cache:
-                runners[f"project {v}"] = steps.open_engines(family, builds[v], study.recipe, ckpt, st,
-                                                             config.Target.from_params(target), [graph])[graph]
+                runners[f"project {v}"] = steps.open_engines(family, builds[v], study.recipe, ckpt, st, target,
+                                                             [graph])[graph]
             done(f"project {v}{on}: open (compile, capture{cache})")
         if opens(f"plain {v}"):
-            module = plain.model(family, snapshot, st, builds[v], target["device"], graph)
+            module = plain.model(family, snapshot, st, builds[v], target.device, graph)
             fp8_layers[v] = {"project": len(builds[v]["fp8_layers"]),
                              "plain": sum(isinstance(m, plain.fp8.FP8Linear) for m in module.modules())}
             # Inputs of its own: a plain graph may write into them (plain GPT-Neo's decode, its caches).
             with fx_graph_cache() as cache:
                 runners[f"plain {v}"] = torch_backend.Runner(module, {k: t.clone() for k, t in example.items()},
-                                                             target["device"], target.get("compile", False))
+                                                             target.device, target.compile)
             done(f"plain {v}{on}: open (compile, capture{cache})")
     if args.open_only:
         for runner in runners.values():
@@ -356,11 +298,11 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
     outputs = {name: r(example) for name, r in runners.items()}
     layers = fp8_layers_agree(runners[f"project {candidate}"].module, runners[f"plain {candidate}"].module,
                               runners[f"project {candidate}"].static_inputs, plain.layer_prefix(family))
-    result_check = check(outputs, fp32_outputs(family, snapshot, st, graph, example, target["device"]), baseline,
+    result_check = check(outputs, fp32_outputs(family, snapshot, st, graph, example, target.device), baseline,
                          candidate, layers)
     t = {**study.timing_rounds, **{k: v for k, v in (("warmup", args.warmup), ("rounds", args.rounds),
                                                      ("calls_per_round", args.calls)) if v is not None}}
-    with qt.device_lock(target["device"]):
+    with qt.device_lock(target.device):
         timed = qt.time_interleaved(runners, t["warmup"], t["rounds"], t["calls_per_round"])
         fp8 = {impl: qt.fp8_proof(runners[f"{impl} {candidate}"]) for impl in ("project", "plain")}
     done(f"check and timing{on}")
@@ -379,10 +321,10 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
         "fp8_kernels": {impl: p["kernels"] for impl, p in fp8.items()},
     }
     if args.profile:
-        fam = steps._family(family)
+        fam = families.get(family)
         classify = functools.partial(fam.kernel_group, setting=st)
         regions = set(fam.regions) | {quantization.FP8_REGION}
-        with qt.device_lock(target["device"]):
+        with qt.device_lock(target.device):
             row["profile"] = {name: qt.kernel_profile(r, args.profile_calls, classify, regions)
                               for name, r in runners.items()}
         done(f"profiles{on}")
@@ -511,7 +453,7 @@ def uncovered(run: config.Run) -> dict[str, str]:
     studied = {s.family for s in timed_studies(run)}
     return {f: ("no study in the run config, so no setting, recipe or calibration to build engines from"
                 if f not in studied else "no plain implementation (benchmarks/plain/)")
-            for f in family_registry.names() if f not in studied or f not in plain.FAMILIES}
+            for f in families.names() if f not in studied or f not in plain.FAMILIES}
 
 
 def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]], run: config.Run) -> dict[str, Any]:
@@ -556,22 +498,19 @@ def plan(run: config.Run, families: list[str] | None, patterns: list[str] | None
     return sorted(rows, key=lambda r: rank.get(f"{r[1]}/{r[2]}", len(rank)))
 
 
-def torch_target(run: config.Run, device: str | None) -> dict[str, Any]:
-    """The run's torch target as the rules pass it; `device` moves it (compiled on CUDA only)."""
-    name, t = next(((n, t) for n, t in run.targets.items() if t.backend == "torch"), (None, None))
-    if t is None:
+def torch_target(run: config.Run) -> config.Target:
+    """The run's (first) torch target: where its engines are built, timed and compared."""
+    target = next((t for t in run.targets.values() if t.backend == "torch"), None)
+    if target is None:
         raise SystemExit(f"the run {run.name} has no torch target")
-    target = {"target": name, **vars(t)}
-    target.pop("name")
-    if device and device != t.device:
-        target.update(target=f"{device}-torch", device=device, compile=device == "cuda")
-    if target["device"] == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"target {name} runs on CUDA and torch sees no GPU here; on a CPU use --tiny")
+    if torch.device(target.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"target {target.name} runs on CUDA and torch sees no GPU here; on a CPU use --tiny")
     return target
 
 
 def run_config(args: argparse.Namespace) -> Path:
-    return args.config or ROOT / ("config/config.yaml" if args.tiny else "config/h200.yaml")
+    """The run config (a default is the workdir's own)."""
+    return args.config or args.workdir / ("config/config.yaml" if args.tiny else "config/h200.yaml")
 
 
 def write(out: Path | None, doc: dict[str, Any], started: str, params: dict[str, Any]) -> None:
@@ -586,24 +525,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", type=Path, help="run config (default: config/h200.yaml, --tiny config/config.yaml)")
     parser.add_argument("--families", nargs="+", help="families to run (default: every one with a plain model)")
     parser.add_argument("--settings", nargs="+", help="model/setting patterns, e.g. fnet-base/w128 'xcit-*/b1'")
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="move the run's torch target to this device")
     parser.add_argument("--profile", action="store_true", help="kernel profiles of every engine")
     parser.add_argument("--profile-calls", type=int, default=5)
     parser.add_argument("--budget-s", type=float,
                         help="start no setting after this many seconds less the longest setting's time so far")
-    parser.add_argument("--calibration-samples", type=int, default=64, help="at most this many of each calibration set")
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--calls", type=int, help="calls per round")
-    parser.add_argument("--work", type=Path, default=ROOT / "results" / "torch-vs-plain",
-                        help="where the steps write checkpoints, samples, amax and engines")
+    parser.add_argument("--workdir", type=Path, default=ROOT,
+                        help="the checkout the workflow runs in (its results/ holds the engines)")
+    parser.add_argument("--cores", type=int, default=os.cpu_count(), help="the workflow's --cores")
+    parser.add_argument("--work", type=Path, help="this benchmark's own files (compile workers' logs; default: "
+                                                  "results/torch-vs-plain of --workdir)")
     parser.add_argument("--out", type=Path, help="write the rows as a torch_vs_plain JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="the steps' own log lines")
     parser.add_argument("--compile-workers", action="store_true",
                         help="compile a setting's four engines at once, a process each, before opening them here "
                              "from inductor's caches (on a GPU node with the cores for it)")
-    parser.add_argument("--open-only", metavar="ENGINE", help="a compile worker: open this engine ('project fp16') "
-                        "of the one setting from the inputs in --work, and stop")
+    parser.add_argument("--open-only", metavar="ENGINE", help="a compile worker: open this engine ('plain fp16') "
+                        "of the one setting, whose builds the workflow has made, and stop")
     parser.add_argument("--summary", nargs="+", type=Path, metavar="JSON",
                         help="run nothing: the summary of these outputs' rows (runs of several device calls), and "
                              "which timed settings of the config none of them has")
@@ -611,25 +551,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     started, t0 = artifacts.now(), time.perf_counter()
+    # The workflow's paths (build.json, engines) are relative to its checkout: work from there.
+    args.workdir = args.workdir.resolve()
+    args.config, args.out = [p.resolve() if p else None for p in (args.config, args.out)]
+    args.work = (args.work or args.workdir / "results" / "torch-vs-plain").resolve()
     steps.job_settings()  # TF32 off (FNet's fp32 sequence DFT stays fp32), as the build and time steps run
     cfg = run_config(args)
     run = config.load_run(yaml.safe_load(cfg.read_text()))
     if args.summary:
         return summarize(args.summary, plan(run, args.families or list(plain.FAMILIES), args.settings), run)
+    with contextlib.chdir(args.workdir):
+        return _run(args, run, cfg, started, t0)
+
+
+def _run(args: argparse.Namespace, run: config.Run, cfg: Path, started: str, t0: float) -> dict[str, Any]:
+    """The planned settings, measured in the workdir: the workflow's builds, then a row per graph."""
     families = args.families or [f for f in plain.FAMILIES if any(s.family == f for s in timed_studies(run))]
     unknown = sorted(set(families) - set(plain.FAMILIES))
     if unknown:
         raise SystemExit(f"no plain implementation of {', '.join(unknown)}; there are {', '.join(plain.FAMILIES)}")
-    target = torch_target(run, args.device)
+    target = torch_target(run)
     todo = plan(run, families, args.settings)
     if not todo:
         raise SystemExit(f"no timed setting of {cfg} matches families {families} and settings {args.settings}")
     # Dynamo keeps compiled variants per code object; past the limit it would run a module eagerly,
     # unannounced. A setting compiles four modules (the caches are reset between settings).
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-    inputs = Inputs(run, args.work, args.calibration_samples, reuse=bool(args.open_only))
     params = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    doc: dict[str, Any] = {"run": run.name, "weights": run.weights, "config": str(cfg), "target": target,
+    doc: dict[str, Any] = {"run": run.name, "weights": run.weights, "config": str(cfg),
+                           "target": {"target": target.name, **{k: v for k, v in vars(target).items() if k != "name"}},
                            "rows": [], "not_run": []}
     if args.open_only:
         if len(todo) != 1:
@@ -638,9 +588,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         # The parent times kernel configs again, alone on the GPU: not what workers timed beside each other.
         inductor_config.autotune_local_cache = False
-        measure(*todo[0], target, inputs, args)
+        measure(*todo[0], target, args)
         return doc
-    _say(f"{len(todo)} settings on {target['target']} ({target['device']}, compile {target.get('compile', False)}): "
+    if args.budget_s is None or args.budget_s > 0:  # a spent budget starts nothing, the builds included
+        workflow_builds(todo, target, cfg, args.cores)
+    _say(f"{len(todo)} settings on {target.name} ({target.device}, compile {target.compile}): "
          + ", ".join(f"{m}/{st}" for _, m, st in todo))
     longest = 0.0  # the longest setting so far: what the next one is expected to take
     for i, (study, model, setting) in enumerate(todo):
@@ -653,13 +605,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             break
         row_started = time.perf_counter()
         try:
-            rows = measure(study, model, setting, target, inputs, args)
+            rows = measure(study, model, setting, target, args)
         except Exception:
             rows = [{"study": study.name, "family": study.family, "model": model, "setting": setting,
                      "batch": study.setting(setting).batch, "shape": dict(study.setting(setting).shape),
                      "status": "failed", "error": traceback.format_exc()}]
             _say(f"{model}/{setting} failed:\n{rows[0]['error']}")
-        _free(target["device"])
+        _free(target.device)
         wall = round(time.perf_counter() - row_started, 2)
         longest = max(longest, wall)
         for row in rows:

@@ -138,15 +138,16 @@ class _TwoGraphs(torch.nn.Module):
         return {"features": y.sum(0)}
 
 
-def test_every_graph_of_a_compiled_engine_is_compiled_in_inductor_deterministic_mode(monkeypatch):
+def test_every_graph_of_a_compiled_engine_is_compiled_in_inductor_deterministic_mode():
     """Without inductor's deterministic mode, jobs that open one build on a GPU benchmark choices that
     change numerics when they first run it, and disagree (torch_backend.INDUCTOR_OPTIONS). The mode must
     hold for every graph of an engine: set in torch._inductor.config, torch.compile turns it off again."""
     modes = []
-    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_post_pass",
-                        lambda graph: modes.append(torch._inductor.config.deterministic))
-    torch.compiler.reset()
-    torch_backend.Runner(_TwoGraphs(), {"x": torch.randn(8, 4)}, compile=True)
+    # config.patch, not monkeypatch: deleting a config attribute (monkeypatch's undo) hides it for good.
+    with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: modes.append(
+            torch._inductor.config.deterministic)):
+        torch.compiler.reset()
+        torch_backend.Runner(_TwoGraphs(), {"x": torch.randn(8, 4)}, compile=True)
     assert modes == [True, True]
     assert backends.get("torch").builder_options(TARGET)["inductor_options"] == {"deterministic": True}
 

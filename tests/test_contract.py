@@ -83,8 +83,8 @@ RESULTS: list[tuple[str, str, str]] = []  # (family, backend, outcome), printed 
 
 
 GENERIC = ["quantstudy/steps.py", "quantstudy/aggregate.py", "quantstudy/render.py", "quantstudy/config.py",
-           "quantstudy/jobserver.py", "Snakefile", "rules/*.smk", "templates/study.md.j2", "templates/macros.md.j2",
-           "config/schemas/*.yaml", "quantstudy/schemas/*.json"]
+           "quantstudy/jobserver.py", "quantstudy/torch_vs_plain.py", "Snakefile", "rules/*.smk",
+           "templates/study.md.j2", "templates/macros.md.j2", "config/schemas/*.yaml", "quantstudy/schemas/*.json"]
 
 
 def test_generic_code_names_no_family():

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,11 +21,9 @@ GRAPHS = {"gpt-neo-125m": ["prefill", "decode"]}
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("torch_vs_plain", ROOT / "benchmarks" / "torch_vs_plain.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from quantstudy import torch_vs_plain
+
+    return torch_vs_plain
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +114,14 @@ class _Wrap(torch.nn.Module):
 def test_fp8_layers_agree_only_with_the_same_weights_and_scales(bench):
     from quantstudy.quantization import FP8Linear
 
-    import plain.fp8
+    from quantstudy.plain import fp8 as plain_fp8
 
     g = torch.Generator().manual_seed(0)
     weight, bias, x = torch.randn(32, 64, generator=g), torch.randn(32, generator=g), torch.randn(4, 64, generator=g)
     project = _Wrap(FP8Linear(weight, bias, 3.0, float(weight.abs().max()), torch.float32, torch.float32))
 
     def plain_model(input_amax: float, w: torch.Tensor = weight) -> torch.nn.Module:
-        return _Wrap(plain.fp8.FP8Linear(w, bias, input_amax, float(w.abs().max()), torch.float32, False))
+        return _Wrap(plain_fp8.FP8Linear(w, bias, input_amax, float(w.abs().max()), torch.float32, False))
 
     same = bench.fp8_layers_agree(project, plain_model(3.0), {"x": x})
     assert same["ok"] and same["calls"] == 1 and same["worst"]["rel_l2"] == 0.0
@@ -139,15 +135,22 @@ def test_fp8_layers_agree_only_with_the_same_weights_and_scales(bench):
     assert bench.fp8_layers_agree(project, below, {"x": x})["missing_in_plain"] == ["layer"]
 
 
-def test_budget_stops_cleanly_before_a_setting_and_keeps_the_issue_order(bench, tmp_path, capsys):
-    doc = bench.main(["--tiny", "--budget-s", "0", "--work", str(tmp_path / "work"),
-                      "--out", str(tmp_path / "out.json")])
+def test_budget_stops_cleanly_before_a_setting_and_keeps_the_order_asked(bench, tmp_path, capsys):
+    """Settings run in the order of the --settings patterns that match them (the most important first),
+    then as config/config.yaml declares them; a spent budget starts nothing."""
+    doc = bench.main(["--tiny", "--budget-s", "0", "--settings", "xcit-*/b1", "fnet-base/*", "--work",
+                      str(tmp_path / "work"), "--out", str(tmp_path / "out.json")])
     assert doc["rows"] == []
     planned = [f"{r['model']}/{r['setting']}" for r in doc["not_run"]]
-    assert planned[:5] == ["fnet-base/w128", "fnet-base/w256", "fnet-base/w512", "deberta-v3-base/w256", "xcit-nano/b1"]
+    assert planned == ["xcit-nano/b1", "fnet-base/w128", "fnet-base/w256", "fnet-base/w512", "fnet-base/b8-w512"]
     assert all("budget" in r["why"] for r in doc["not_run"])
     assert artifacts.read_json(tmp_path / "out.json", "torch_vs_plain")["not_run"] == doc["not_run"]
-    assert "not run: fnet-base/w128" in capsys.readouterr().out
+    assert "not run: xcit-nano/b1" in capsys.readouterr().out
+    every = bench.main(["--tiny", "--budget-s", "0", "--work", str(tmp_path / "work")])["not_run"]
+    assert [f"{r['model']}/{r['setting']}" for r in every[:5]] == [
+        "fnet-base/w128", "fnet-base/w256", "fnet-base/w512", "fnet-base/b8-w512", "fnet-large/w256"]
+    assert [f"{r['model']}/{r['setting']}" for r in every[-2:]] == ["deformable-detr/800x800", "deformable-detr/800x1067"]
+    assert len(every) == 7 + 8 + 2 + 1 + 2  # every timed setting of the five studies
 
 
 def test_compile_workers_compile_the_engines_this_process_then_reads(bench, tmp_path, monkeypatch):
@@ -244,8 +247,8 @@ def test_plain_gpt_neo_computes_the_project_prefill_and_decode(bench, tmp_path):
     the benchmark's check (FP8 layers one by one), the decode writes the new token into the cache it
     was given, and a cache longer than the window (where Transformers masks local layers wrongly) is
     refused."""
-    import plain
-    import plain.gpt_neo
+    from quantstudy import plain
+    from quantstudy.plain import gpt_neo as plain_gpt_neo
 
     from quantstudy import config, families, quantization
     from quantstudy.families import base
@@ -270,7 +273,7 @@ def test_plain_gpt_neo_computes_the_project_prefill_and_decode(bench, tmp_path):
             project, summary = quantization.apply_variant(fam.module(tmp_path, graph, st), spec, recipe, amax)
             fp8 = {n: amax["amax"][n] for n in summary["fp8_layers"]}
             variant = plain.Variant(v, "float16", {}, fp8, "float16", {})
-            engines[v] = plain.gpt_neo.model(tmp_path, st, variant, "cpu", graph)
+            engines[v] = plain_gpt_neo.model(tmp_path, st, variant, "cpu", graph)
             given = {k: t.clone() for k, t in example.items()}
             with torch.no_grad():
                 outputs[f"project {v}"], outputs[f"plain {v}"] = project(**example), engines[v](**given)
@@ -289,15 +292,15 @@ def test_plain_gpt_neo_computes_the_project_prefill_and_decode(bench, tmp_path):
     for name, data in fam.tiny_checkpoint_files({**arch, "window_size": 8}, {"seed": 0}).items():
         (narrow / name).write_bytes(data)
     with pytest.raises(ValueError, match="longer than the local window 8"):
-        plain.gpt_neo.model(narrow, st, plain.Variant("fp16", "float16", {}, {}, "float16", {}), "cpu", "decode")
+        plain_gpt_neo.model(narrow, st, plain.Variant("fp16", "float16", {}, {}, "float16", {}), "cpu", "decode")
 
 
 def test_plain_deformable_detr_computes_the_project_engine(bench, tmp_path):
     """Plain Deformable DETR (Transformers' forward as it is) against the project's detector engine,
     fp16 and FP8, on the tiny model: the outputs pass the benchmark's check, the recipe's layers
     agree one by one."""
-    import plain
-    import plain.deformable_detr
+    from quantstudy import plain
+    from quantstudy.plain import deformable_detr as plain_detr
 
     from quantstudy import config, families, quantization
     from quantstudy.families import base
@@ -322,7 +325,7 @@ def test_plain_deformable_detr_computes_the_project_engine(bench, tmp_path):
         models[f"project {v}"], summary = quantization.apply_variant(fam.module(tmp_path, "main", st), spec, recipe, amax)
         fp8 = {n: amax["amax"][n] for n in summary["fp8_layers"]}
         variant = plain.Variant(v, "float16", {}, fp8, "float16", {})
-        models[f"plain {v}"] = plain.deformable_detr.model(tmp_path, st, variant, "cpu", "main")
+        models[f"plain {v}"] = plain_detr.model(tmp_path, st, variant, "cpu", "main")
         with torch.no_grad():
             outputs[f"project {v}"], outputs[f"plain {v}"] = models[f"project {v}"](**example), models[f"plain {v}"](**example)
     layers = bench.fp8_layers_agree(models["project fp8"], models["plain fp8"], example, plain.layer_prefix("deformable_detr"))

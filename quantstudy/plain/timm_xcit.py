@@ -26,7 +26,7 @@ GRAPHS = ("main",)
 def model(checkpoint, setting, variant, device, graph: str) -> nn.Module:
     from quantstudy import families
 
-    from plain.fp8 import to_fp16_with_fp8_layers
+    from quantstudy.plain.fp8 import to_fp16_with_fp8_layers
 
     # The project's graph module holds timm's modules under timm's names: the same layer names here.
     xcit = families.get("timm_xcit").load_reference(checkpoint, torch.float32)

@@ -71,7 +71,7 @@ GRAPHS = {"prefill": Prefill, "decode": Decode}
 def model(checkpoint, setting, variant, device, graph: str) -> nn.Module:
     from quantstudy import families
 
-    from plain.fp8 import to_fp16_with_fp8_layers
+    from quantstudy.plain.fp8 import to_fp16_with_fp8_layers
 
     lm = families.get("gpt_neo").load_reference(checkpoint, torch.float32)
     cfg = lm.config

@@ -1,5 +1,5 @@
 """Plain torch implementations of the studies' engines, the reference the torch backend is timed against
-(benchmarks/torch_vs_plain.py). Each is the family's Transformers or timm model as it is, in fp16,
+(quantstudy.torch_vs_plain). Each is the family's Transformers or timm model as it is, in fp16,
 with the recipe's FP8 layers as a minimal FP8 linear (plain.fp8: torch._scaled_mm, static per-tensor
 scales), the same weights and the same amax as the project's engine; no code of the project's graph
 modules, variant transforms or backend. Per family:
@@ -14,7 +14,8 @@ modules, variant transforms or backend. Per family:
   (plain.gpt_neo, which says where that is exact).
 - deformable_detr: DeformableDetrForObjectDetection's forward as it is (plain.deformable_detr).
 
-Each module names the prefix its model puts before the project's layer names (LAYER_PREFIX), so that
+A family has a plain implementation when this package has a module of its name (`names()`), as a
+backend is a `<name>_backend` module. Each module names the prefix its model puts before the project's layer names (LAYER_PREFIX), so that
 the FP8 layers can be paired one by one. A plain model is built from what the project's build of the
 variant says it computes (build.json: precision, transforms, FP8 layers with their amax, dequantize
 dtype, calls kept out of FP8); a transform the plain model does not implement is refused, not
@@ -24,10 +25,10 @@ ignored.
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from dataclasses import dataclass
 from typing import Any
 
-FAMILIES = ("fnet", "deberta_v2", "timm_xcit", "gpt_neo", "deformable_detr")
 
 
 @dataclass(frozen=True)
@@ -47,18 +48,29 @@ class Variant:
                    doc.get("dequantize_dtype"), doc.get("unquantized_calls", {}))
 
 
+def names() -> list[str]:
+    """The registered families with a plain implementation: a module of this package named after one."""
+    from quantstudy import families
+
+    return sorted(set(families.names()) & {i.name for i in pkgutil.iter_modules(__path__)})
+
+
+def _implementation(family: str):
+    if family not in names():
+        raise KeyError(f"no plain implementation of {family!r}; there are {', '.join(names())}")
+    return importlib.import_module(f"{__name__}.{family}")
+
+
 def layer_prefix(family: str) -> str:
     """What the plain model puts before the project's layer names (plain XCiT holds timm's model as
     `xcit`: its `xcit.blocks.0.attn.qkv` is the project's `blocks.0.attn.qkv`)."""
-    return importlib.import_module(f"plain.{family}").LAYER_PREFIX
+    return _implementation(family).LAYER_PREFIX
 
 
 def model(family: str, checkpoint: str, setting, build_doc: dict[str, Any], device: str, graph: str = "main"):
     """The plain fp16 model of one graph of the variant that `build_doc` (a project build.json)
     describes: forward(**inputs) -> {output: tensor}, the project graph's inputs and outputs."""
-    if family not in FAMILIES:
-        raise KeyError(f"no plain implementation of {family!r}; there are {', '.join(FAMILIES)}")
-    impl = importlib.import_module(f"plain.{family}")
+    impl = _implementation(family)
     if graph not in impl.GRAPHS:
         raise KeyError(f"the plain {family} model has graphs {', '.join(impl.GRAPHS)}, not {graph!r}")
     variant = Variant.of_build(build_doc)

@@ -76,7 +76,7 @@ GRAPHS = ("main",)
 def model(checkpoint, setting, variant, device, graph: str) -> nn.Module:
     from quantstudy import families
 
-    from plain.fp8 import to_fp16_with_fp8_layers
+    from quantstudy.plain.fp8 import to_fp16_with_fp8_layers
 
     fnet = families.get("fnet").load_reference(checkpoint, torch.float32).fnet
     fnet.pooler = None  # the engines output the last hidden states; the pooler is not part of them

@@ -38,7 +38,7 @@ GRAPHS = ("main",)
 def model(checkpoint, setting, variant, device, graph: str) -> nn.Module:
     from quantstudy import families
 
-    from plain.fp8 import to_fp16_with_fp8_layers
+    from quantstudy.plain.fp8 import to_fp16_with_fp8_layers
 
     encoder = Encoder(families.get("deberta_v2").load_reference(checkpoint, torch.float32))
     positional = {n for n, sites in variant.unquantized_calls.items() if POSITIONS in sites}

@@ -26,7 +26,7 @@ class Detector(nn.Module):
 def model(checkpoint, setting, variant, device, graph: str) -> nn.Module:
     from quantstudy import families
 
-    from plain.fp8 import to_fp16_with_fp8_layers
+    from quantstudy.plain.fp8 import to_fp16_with_fp8_layers
 
     detr = families.get("deformable_detr").load_reference(checkpoint, torch.float32)
     return Detector(to_fp16_with_fp8_layers(detr, variant.fp8, variant.dequantize_dtype, device)).eval()

@@ -430,7 +430,7 @@ def uncovered(run: config.Run) -> dict[str, str]:
     """Registered families the benchmark cannot cover on this run, and why."""
     studied = {s.family for s in timed_studies(run)}
     return {f: ("no study in the run config, so no setting, recipe or calibration to build engines from"
-                if f not in studied else "no plain implementation (benchmarks/plain/)")
+                if f not in studied else "no plain implementation (quantstudy/plain/)")
             for f in families.names() if f not in studied or f not in plain.names()}
 
 

@@ -153,6 +153,28 @@ def test_budget_stops_cleanly_before_a_setting_and_keeps_the_order_asked(bench, 
     assert len(every) == 7 + 8 + 2 + 1 + 2  # every timed setting of the five studies
 
 
+def test_a_setting_whose_build_fails_is_a_failed_row_and_the_others_are_measured(bench, checkout):
+    """The FNet study with .test/'s variant that fails to build as its candidate, beside XCiT: the
+    workflow records the failed build, the benchmark's row for that setting says why, and the XCiT
+    setting after it is measured."""
+    broken = checkout / "config" / "broken-candidate.yaml"  # absolute: a relative path is the package's
+    broken.write_text("candidate: fp8-broken\n")
+    (checkout / "config" / "broken.yaml").write_text(
+        "run: {name: broken, weights: tiny-random-init, note: a candidate that does not build}\n"
+        "hf_cache: resources/hf-cache\noffline: true\nstudies:\n"
+        "  fnet: {spec: config/studies/fnet.yaml,\n"
+        f"         overrides: [config/tiny/fnet.yaml, .test/fnet.yaml, {broken}]}}\n"
+        "  timm_xcit: {spec: config/studies/timm_xcit.yaml, overrides: config/tiny/timm_xcit.yaml}\n"
+        "targets:\n  cpu-torch: {backend: torch, device: cpu}\n  cpu-onnxruntime: {backend: onnxruntime, device: cpu}\n")
+    doc = bench.main(["--config", str(checkout / "config" / "broken.yaml"), "--settings", "fnet-base/w512",
+                      "xcit-nano/b1", "--workdir", str(checkout), "--cores", "2", "--warmup", "1", "--rounds", "1",
+                      "--calls", "1"])
+    failed, measured = doc["rows"]
+    assert (failed["setting"], failed["status"]) == ("w512", "failed")
+    assert "build of fp8-broken failed" in failed["error"] and "selects no layer" in failed["error"]
+    assert (measured["setting"], measured["status"], measured["check"]["ok"]) == ("b1", "ok", True)
+
+
 def test_compile_workers_compile_the_engines_this_process_then_reads(bench, tmp_path, monkeypatch):
     # The tiny run with its CPU engines compiled, into an inductor cache of this test's own. The
     # project's two engines are compiled by their builds (workflow jobs, other processes), the two

@@ -69,18 +69,12 @@ def _say(msg: str, started: float = time.perf_counter()) -> None:
     print(f"[{time.perf_counter() - started:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
-def build_json(study: config.Study, target: config.Target, model: str, setting: str, variant: str) -> Path:
-    """Where the workflow writes the build of a variant that a setting is timed on (the engine of the
-    setting its `engine:` names, or its own)."""
-    return Path("results", study.name, target.name, model, study.engine_setting(setting), variant, "build.json")
-
-
 def workflow_builds(todo: list[tuple[config.Study, str, str]], target: config.Target, config_file: Path,
                     cores: int) -> None:
     """Have the workflow make the baseline and candidate builds of every planned setting (and what
     they need: local hub, checkpoint, samples, calibration), as `snakemake <build.json>` would: these
     are the study's own engines, cached and rebuilt only when their inputs change."""
-    wanted = sorted({str(build_json(study, target, m, st, v)) for study, m, st in todo
+    wanted = sorted({study.build_json(target.name, m, st, v) for study, m, st in todo
                      for v in (study.baseline(st), study.candidate)})
     _say(f"snakemake: {len(wanted)} builds")
     done = subprocess.run([sys.executable, "-m", "snakemake", "--configfile", str(config_file), "--cores", str(cores),
@@ -197,7 +191,7 @@ def measure(study: config.Study, model: str, setting: str, target: config.Target
     baseline, candidate = study.baseline(setting), study.candidate
     builds = {}
     for v in (baseline, candidate):
-        path = build_json(study, target, model, setting, v)
+        path = Path(study.build_json(target.name, model, setting, v))
         if not path.exists():
             raise RuntimeError(f"the workflow did not make {path}: see logs/{path.parent.relative_to('results')}/")
         builds[v] = artifacts.read_json(path, "build")
@@ -611,6 +605,11 @@ def _run(args: argparse.Namespace, run: config.Run, cfg: Path, started: str, t0:
     return doc
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command: exit status 1 where a setting failed or its outputs differ."""
     result = main()
     sys.exit(0 if all(r["status"] == "ok" and r["check"]["ok"] for r in result["rows"]) else 1)
+
+
+if __name__ == "__main__":
+    cli()

@@ -3,7 +3,7 @@ import sys
 
 sys.path.insert(0, workflow.basedir)  # the study package lives beside the Snakefile
 
-from quantstudy.config import calibration_sample_sets, load_run
+from quantstudy.config import SETTING_KEY, VARIANT_KEY, calibration_sample_sets, load_run
 
 # Raises ConfigError, a readable sentence, before any job runs. A cluster job re-reads this
 # file twice (sbatch step, then srun step); the checks against the code import torch and cost
@@ -35,9 +35,7 @@ if "speed_measurement" not in workflow.global_resources:
     workflow.register_resource("speed_measurement", 1)
 
 
-SETTING_KEY = "{study}/{target}/{model}/{setting}"
 SETTING_DIR = f"results/{SETTING_KEY}"
-VARIANT_KEY = f"{SETTING_KEY}/{{variant}}"
 VARIANT_DIR = f"results/{VARIANT_KEY}"
 EXPORT_DIR = "results/{study}/{model}/{setting}/onnx/{variant}"
 
@@ -143,8 +141,7 @@ def study_title(w):
 def variant_build(w, variant=None):
     """The engines a variant is timed and evaluated on: built at its setting, or at the setting
     whose dynamic-shape engine serves it (`engine:`)."""
-    keys = {**dict(w.items()), "setting": study(w).engine_setting(w.setting), "variant": variant or w.variant}
-    return f"{VARIANT_DIR.format(**keys)}/build.json"
+    return study(w).build_json(w.target, w.model, w.setting, variant or w.variant)
 
 
 def quality_against(w):

@@ -22,8 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from quantstudy.torch_vs_plain import main  # noqa: E402
+from quantstudy.torch_vs_plain import cli  # noqa: E402
 
 if __name__ == "__main__":
-    result = main()
-    sys.exit(0 if all(r["status"] == "ok" and r["check"]["ok"] for r in result["rows"]) else 1)
+    cli()

@@ -67,8 +67,9 @@ def job_settings() -> None:
     torch.backends.cudnn.allow_tf32 = False
     # Only cuDNN engines that cuDNN marks deterministic: every job that opens one build must get one
     # answer (the audit's probes). Not enough on its own: 6 processes that opened one compiled tiny
-    # detector engine (fp32) on an H200 at once still got 4 answers with it, 5 without
-    # (benchmarks/compile_determinism.py; its results are in the H200 evidence).
+    # detector engine (fp32) on an H200 at once still got 4 answers with it, 5 without; inductor's
+    # deterministic option, a compile option of every torch engine (torch_backend.INDUCTOR_OPTIONS),
+    # brought them to 1 (benchmarks/compile_determinism.py; its results are in the H200 evidence).
     torch.backends.cudnn.deterministic = True
     torch.manual_seed(0)
     if not torch.cuda.is_available():

@@ -15,11 +15,11 @@ modules, variant transforms or backend. Per family:
 - deformable_detr: DeformableDetrForObjectDetection's forward as it is (plain.deformable_detr).
 
 A family has a plain implementation when this package has a module of its name (`names()`), as a
-backend is a `<name>_backend` module. Each module names the prefix its model puts before the project's layer names (LAYER_PREFIX), so that
-the FP8 layers can be paired one by one. A plain model is built from what the project's build of the
-variant says it computes (build.json: precision, transforms, FP8 layers with their amax, dequantize
-dtype, calls kept out of FP8); a transform the plain model does not implement is refused, not
-ignored.
+backend is a `<name>_backend` module. Each module names the prefix its model puts before the
+project's layer names (LAYER_PREFIX), so that the FP8 layers can be paired one by one. A plain
+model is built from what the project's build of the variant says it computes (build.json: precision,
+transforms, FP8 layers with their amax, dequantize dtype, calls kept out of FP8); a transform the
+plain model does not implement is refused, not ignored.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import importlib
 import pkgutil
 from dataclasses import dataclass
 from typing import Any
-
 
 
 @dataclass(frozen=True)

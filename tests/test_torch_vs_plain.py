@@ -12,8 +12,8 @@ from quantstudy import artifacts
 from quantstudy.devtools import copy_checkout
 
 ROOT = Path(__file__).resolve().parent.parent
-# GPT-Neo and Deformable DETR: engine studies of config/config.yaml (their quality steps are not
-# written yet); GPT-Neo has two graphs, DETR's 800 x 1067 runs on the engine built at 800 x 800.
+# One timed setting of each study of config/config.yaml: GPT-Neo has two graphs, DETR's 800 x 1067
+# runs on the engine built at 800 x 800.
 ONE_SETTING_PER_FAMILY = ["fnet-base/w512", "deberta-v3-base/w256", "xcit-nano/b1", "gpt-neo-125m/p256-c256",
                           "deformable-detr/800x1067"]
 GRAPHS = {"gpt-neo-125m": ["prefill", "decode"]}

@@ -20,6 +20,7 @@ import pandas as pd
 from quantstudy import bound
 from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, sha256_file, write_json
 from quantstudy.config import PUBLISHED_KEYS, UNIT_SCALE, calibration_sample_sets, load_published, shape_of
+from quantstudy.families.base import measured_against
 from quantstudy.render import value_range
 
 log = logging.getLogger("quantstudy")
@@ -394,7 +395,8 @@ def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame], baselines: di
 
     A quality condition is also applied to each setting's baseline (`baseline`: what it observes
     and whether the baseline would meet it), so that a bar the baseline misses as well is seen as
-    the bar's, not the candidate's. A speed condition has none: x is measured against the baseline.
+    the bar's, not the candidate's. A speed condition has none: x is measured against the baseline;
+    nor has a column measured against the baseline's own engine (`quality_against`).
     """
     cand = study["candidate"]
     mine = {name: frame[frame.variant == cand] if "variant" in frame else frame for name, frame in tables.items()}
@@ -407,8 +409,10 @@ def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame], baselines: di
             continue
         result = condition(c, mine[c["table"]])
         frame = tables[c["table"]]
-        if c["table"] == "quality" and len(frame):
-            theirs = frame[frame.variant == frame.setting.map(baselines)]
+        theirs = frame[frame.variant == frame.setting.map(baselines)] if c["table"] == "quality" and len(frame) else None
+        if theirs is not None:  # the baseline the column is measured against has no value in it: not applied
+            theirs = theirs[theirs.variant != measured_against(c["column"], study.get("quality_against") or [])]
+        if theirs is not None and len(theirs):
             base = condition(c, theirs)
             result["baseline"] = {"variants": sorted(set(theirs.variant)), "observed": base["observed"],
                                   "n": base["n"], "pass": base["pass"]}

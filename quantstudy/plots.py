@@ -27,6 +27,7 @@ from typing import Any
 
 from quantstudy.artifacts import atomic_write, read_json
 from quantstudy.config import main_quality_condition
+from quantstudy.families.base import measured_against
 from quantstudy.render import PLOT, by_graph, condition_units, shape_label
 
 log = logging.getLogger("quantstudy")
@@ -81,7 +82,10 @@ def _finite(v: Any) -> float | None:
 def _why(row: dict[str, Any], what: str, value: float | None, column: str) -> str:
     if row.get("status") != "ok":
         return f"{what} {row.get('status')}: {row.get('error') or 'no error recorded'}"
-    return "" if value is not None else f"{column} not finite (non-finite outputs)"
+    if value is not None:
+        return ""
+    bad = row.get("nonfinite")  # tables.json writes a NaN as null: the count tells which it was
+    return f"{column} not finite ({bad} non-finite outputs)" if bad else f"no finite {column} recorded"
 
 
 def points(tables: dict[str, Any]) -> tuple[list[Point], dict[str, list[str]]]:
@@ -89,17 +93,22 @@ def points(tables: dict[str, Any]) -> tuple[list[Point], dict[str, list[str]]]:
 
     A (target, model, setting) with speed rows and no quality rows is a setting without a quality
     run (`quality: false`), one with quality rows and no speed rows a model that is not timed
-    (`timing: false`): by design, so listed, not plotted. Failures are plotted."""
+    (`timing: false`): by design, so listed, not plotted; so is the engine the quality column is
+    measured against (`quality_against`), which has no value in it. Failures are plotted."""
     column = main_quality_condition(tables["spec"]["decision"])["column"]
+    reference = measured_against(column, tables["spec"].get("quality_against") or [])
     quality = {(r["target"], r["model"], r["setting"], r["variant"]): r for r in tables["quality"]}
     timed = {(r["target"], r["model"], r["setting"]) for r in tables["speed"]}
-    out, speed_only = [], []
+    out, speed_only, the_reference = [], [], []
     for (target, model, setting, graph), variants in by_graph(tables["speed"]).items():
         if not any((target, model, setting, v) in quality for v in variants):
             speed_only.append(f"{target}: {model}, {_setting_label(setting, tables['spec']['settings'])}")
             continue
         for variant, s in variants.items():
             q = quality.get((target, model, setting, variant), {"status": "not evaluated", "error": "no quality row"})
+            if variant == reference and q.get("status") == "ok" and _finite(q.get(column)) is None:
+                the_reference.append(f"{target}: {variant}, {model}, {_setting_label(setting, tables['spec']['settings'])}")
+                continue
             x = _finite(s.get("x")) if s.get("status") == "ok" else None
             y = _finite(q.get(column)) if q.get("status") == "ok" else None
             problem = "; ".join(filter(None, (_why(s, "timing", x, "x"), _why(q, "quality", y, column))))
@@ -109,7 +118,8 @@ def points(tables: dict[str, Any]) -> tuple[list[Point], dict[str, list[str]]]:
     quality_only = sorted({f"{t}: {m}, {_setting_label(s, tables['spec']['settings'])}" for t, m, s, _ in quality
                            if (t, m, s) not in timed})
     return out, {"speed only (no quality run at this setting)": sorted(set(speed_only)),
-                 "quality only (not timed)": quality_only}
+                 "quality only (not timed)": quality_only,
+                 "the engine the y axis is measured against, so not on it": sorted(set(the_reference))}
 
 
 def _setting_label(setting: str, settings: dict[str, Any]) -> str:

@@ -143,3 +143,26 @@ def test_a_quality_condition_is_also_applied_to_the_baseline():
     assert fast["baseline"] is None and fast["n"] == 1
     good = quality(("fp8", 0.99, 0, "ok"), ("fp16", 0.999, 0, "ok"))
     assert decide(study(TOP1), {"speed": speed(), "quality": good})["conditions"][0]["baseline"]["pass"]
+
+
+AP_DROP_VS_FP16 = {"name": "AP drop against the fp16 engine", "table": "quality", "column": "heldout_vs_fp16.ap_drop",
+                   "reduce": "max", "compare": "<=", "threshold": 0.001}
+
+
+def ap_drop(*rows) -> pd.DataFrame:
+    return pd.DataFrame([{"variant": v, "setting": "w512", "heldout_vs_fp16.ap_drop": d, "nonfinite": 0, "status": s,
+                          "source": f"{v}-{i}/quality.json"} for i, (v, d, s) in enumerate(rows)])
+
+
+def test_a_column_measured_against_the_baseline_is_not_applied_to_the_baseline_itself():
+    """fp16 is not measured against its own engine (`quality_against: [fp16]`): its rows have no
+    AP drop against fp16, which is not "not measured, misses the bar as well". A column it does
+    have (non-finite outputs) is still applied to it, and so is the drop where fp16 is not the
+    engine measured against."""
+    q = ap_drop(("fp8", 0.0004, "ok"), ("fp16", math.nan, "ok"), ("fp32", 0.0, "ok"))
+    drop, nonfinite = decide(study(AP_DROP_VS_FP16, NONFINITE) | {"quality_against": ["fp16"]},
+                             {"speed": speed(), "quality": q})["conditions"]
+    assert drop["pass"] and drop["baseline"] is None
+    assert nonfinite["baseline"] == {"variants": ["fp16"], "observed": 0, "n": 1, "pass": True}
+    unrelated = decide(study(AP_DROP_VS_FP16) | {"quality_against": ["fp32"]}, {"speed": speed(), "quality": q})
+    assert unrelated["conditions"][0]["baseline"] == {"variants": ["fp16"], "observed": None, "n": 0, "pass": False}

@@ -93,3 +93,28 @@ def test_each_variant_has_one_colour_in_every_study_and_the_ship_region_is_shade
     fp8 = plots.Point("t", "m", "s", None, "fp8", 0.9, 0.8, 1.0, 1.0)
     lo, hi = plots._x_limits([fp32, fp8], [1.15])
     assert lo < 0.8 and 1.15 < hi < 2
+
+
+def test_the_engine_the_quality_column_is_measured_against_is_listed_not_failed(tmp_path):
+    """Deformable DETR's y is the AP drop against the fp16 engine (`quality_against: [fp16]`); fp16
+    has no drop against itself, which is by design, not a failure or a non-finite output."""
+    tables = ROOT / "results/h200-deformable-detr/run-2026-12-05/results/deformable_detr/tables.json"
+    pts, by_design = plots.points(json.loads(tables.read_text()))
+    assert pts and not any(p.problem for p in pts) and "fp16" not in {p.variant for p in pts}
+    assert by_design["the engine the y axis is measured against, so not on it"] == [
+        "h200-eager: fp16, deformable-detr, 800 x 800", "h200-torch: fp16, deformable-detr, 800 x 1067",
+        "h200-torch: fp16, deformable-detr, 800 x 800"]
+
+
+def test_a_missing_quality_value_says_whether_the_outputs_were_non_finite(tmp_path):
+    def blank_fp8_at_w256(nonfinite):
+        def edit(doc):
+            row = next(r for r in doc["quality"]
+                       if (r["model"], r["setting"], r["variant"]) == ("deberta-v3-base", "w256", "fp8"))
+            row.update({"features.mean": None, "nonfinite": nonfinite})
+        return edit
+
+    for nonfinite, problem in ((3, "features.mean not finite (3 non-finite outputs)"),
+                               (0, "no finite features.mean recorded")):
+        pts, _ = plots.points(json.loads(_tables_with(tmp_path, blank_fp8_at_w256(nonfinite)).read_text()))
+        assert [p.problem for p in pts if p.problem] == [problem]

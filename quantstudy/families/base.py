@@ -97,6 +97,19 @@ class QualityColumns:
     reference: dict[str, tuple[str, ...]]  # reference's blocks
 
 
+def against_block(block: str, variant: str) -> str:
+    """The quality block of `block`'s metrics measured against the engine of `variant`
+    (`quality_against`): `heldout_vs_fp16`. No variant is measured against itself."""
+    return f"{block}_vs_{variant}"
+
+
+def measured_against(column: str, against: list[str]) -> str | None:
+    """The `quality_against` variant a quality column is measured against (`heldout_vs_fp16.ap_drop`:
+    fp16), or None: that variant's own rows have no value in the column, by design."""
+    block = column.split(".")[0]
+    return next((v for v in against if block.endswith(against_block("", v))), None)
+
+
 def metrics_schema(properties: dict[str, Any]) -> dict[str, Any]:
     """A family's `metrics` schema: an object with exactly these keys, each required."""
     return {"type": "object", "additionalProperties": False, "required": list(properties), "properties": properties}

@@ -503,7 +503,7 @@ class DeformableDetr:
                 their_logits, their_boxes = detector_outputs(other, processor, images, setting, f"{name} on {other_name}")
                 theirs = _detections(their_logits, their_boxes, truth, labels)
                 their_ap = box_ap(theirs, rows, truth, labels)["ap"]
-                blocks[f"{name}_vs_{other_name}"] = {"ap": their_ap, "ap_drop": their_ap - ap["ap"],
+                blocks[base.against_block(name, other_name)] = {"ap": their_ap, "ap_drop": their_ap - ap["ap"],
                                                      **agreement(their_logits, theirs, logits, mine, metrics)}
         return base.Evaluation(blocks, nonfinite)
 
@@ -513,7 +513,7 @@ class DeformableDetr:
         agreement = ("logit_correlation", *qm.DETECTION_AGREEMENT)
         return base.QualityColumns(
             blocks={**{s: (*qm.COCO_BOX_AP, "reference_ap", "ap_drop", *agreement) for s in evaluation_samples},
-                    **{f"{s}_vs_{v}": ("ap", "ap_drop", *agreement) for s in evaluation_samples for v in against}},
+                    **{base.against_block(s, v): ("ap", "ap_drop", *agreement) for s in evaluation_samples for v in against}},
             nonfinite=tuple(evaluation_samples),
             reference={s: qm.COCO_BOX_AP for s in evaluation_samples})
 

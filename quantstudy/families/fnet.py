@@ -393,7 +393,7 @@ class FNet:
                   "sts": {"spearman": qm.sts_spearman(sts[0::2, 0], sts[1::2, 0], gold)}, "quality_bar": bar}
         for name, other in (against or {}).items():
             theirs = other({"input_ids": reference["heldout_ids"].long()}, f"held-out passages on {name}")
-            blocks[f"cls_vs_{name}"] = qm.cls_agreement(theirs["features"].float().cpu()[:, 0], heldout[:, 0])
+            blocks[base.against_block("cls", name)] = qm.cls_agreement(theirs["features"].float().cpu()[:, 0], heldout[:, 0])
         return Evaluation(blocks, nonfinite)
 
     def quality_columns(self, evaluation_samples: list[str], against: list[str]) -> base.QualityColumns:
@@ -401,7 +401,7 @@ class FNet:
 
         return base.QualityColumns(
             blocks={"mlm": qm.MLM_AGREEMENT, "cls": qm.CLS_AGREEMENT, "sts": ("spearman",),
-                    "quality_bar": qm.QUALITY_BAR, **{f"cls_vs_{v}": qm.CLS_AGREEMENT for v in against}},
+                    "quality_bar": qm.QUALITY_BAR, **{base.against_block("cls", v): qm.CLS_AGREEMENT for v in against}},
             nonfinite=("heldout", "masked_heldout", "sts_sentences", "stress", "batch"),
             reference={"sts": ("spearman",), "mixing_peak": ("max", "fp16_max", "passages", "passages_over_fp16_max")})
 

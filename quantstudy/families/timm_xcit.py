@@ -483,7 +483,7 @@ class TimmXcit:
             nonfinite[name] = {"bad": qm.nonfinite_rows(logits), "of": logits.shape[0]}
             for other_name, other in (against or {}).items():
                 theirs = _logits(other, transform, rows, batch, f"{name} on {other_name}")
-                blocks[f"{name}_vs_{other_name}"] = qm.top1_agreement(theirs, logits)
+                blocks[base.against_block(name, other_name)] = qm.top1_agreement(theirs, logits)
         stress = self.stress_inputs(metrics["stress_inputs"], seeds["stress"])
         x = pixel_values(transform, stress["images"])
         out = run({"pixel_values": _whole_batches(x, batch)}, "stress inputs")["logits"][:len(x)].float()
@@ -495,7 +495,7 @@ class TimmXcit:
 
         return base.QualityColumns(
             blocks={**{s: (*qm.TOP1_AGREEMENT, "top1_accuracy") for s in evaluation_samples},
-                    **{f"{s}_vs_{v}": qm.TOP1_AGREEMENT for s in evaluation_samples for v in against}},
+                    **{base.against_block(s, v): qm.TOP1_AGREEMENT for s in evaluation_samples for v in against}},
             nonfinite=(*evaluation_samples, "stress"),
             reference={s: ("top1_accuracy", "images") for s in evaluation_samples})
 

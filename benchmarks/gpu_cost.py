@@ -6,7 +6,9 @@ opening engines against the rest of the job (measuring, loading inputs, writing)
 RUN_DIR holds the run's `benchmarks/` (Snakemake's benchmark TSV of each job: its wall seconds) and
 `logs/` (the job logs). A job's opening seconds are the sum of its log's `opened ... in X s` lines,
 which the torch backend writes when it opens an engine from its build's compiled program; a job of
-a run from before that (or a backend that logs no such line) shows its opening seconds as `-`.
+a run from before that (or a backend that logs no such line) shows its opening seconds as `-`. Where
+those lines give the opening's parts (weights, artifacts, trace, compiler, calls, capture, waiting:
+TorchBackend.open), each rule's seconds in each part, and the largest of one opening, are printed too.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 GPU_RULES = ("reference", "calibrate", "build", "time", "profile", "gemm", "evaluate")
 MEASUREMENT_RULES = ("time", "profile", "gemm", "evaluate")
-OPENED = re.compile(r" opened \S+ at .* in ([0-9.]+) s from ")
+OPENED = re.compile(r" opened \S+ at .* in ([0-9.]+) s from .*")
+PHASE = re.compile(r"(\w+) (-?[0-9.]+) s")  # in an `opened` line, after the cache counts: "trace 3.21 s"
 
 
 def rule_of(tsv: Path) -> str:
@@ -38,10 +41,29 @@ def jobs(run: Path, study: str | None = None) -> list[dict]:
         seconds = float(lines[1].split("\t")[0])
         key = tsv.relative_to(run / "benchmarks").with_suffix("")
         log = run / "logs" / key.with_suffix(".log")
-        opened = [float(m.group(1)) for m in OPENED.finditer(log.read_text(errors="replace"))] if log.exists() else []
+        lines = list(OPENED.finditer(log.read_text(errors="replace"))) if log.exists() else []
+        opened = [float(m.group(1)) for m in lines]
+        phases = [{k: float(v) for k, v in PHASE.findall(m.group(0).partition("misses; ")[2])} for m in lines]
         found.append({"rule": rule_of(tsv), "key": str(key), "seconds": seconds, "opens": len(opened),
-                      "open_seconds": sum(opened) if opened else None})
+                      "open_seconds": sum(opened) if opened else None, "openings": opened,
+                      "open_phases": [p for p in phases if p]})
     return found
+
+
+def phase_report(found: list[dict]) -> list[str]:
+    """Each measurement rule's opening seconds by part: the sum over its jobs' openings, and the largest
+    of one opening (in brackets). Empty where no log gives the parts."""
+    parts = list(dict.fromkeys(k for j in found for p in j["open_phases"] for k in p))
+    if not parts:
+        return []
+    lines = ["", "opening engines, by part: seconds summed over the rule's openings [largest in one opening]",
+             f"{'rule':<10} {'opens':>5}  " + "  ".join(f"{k:>16}" for k in parts)]
+    for rule in MEASUREMENT_RULES:
+        opens = [p for j in found if j["rule"] == rule for p in j["open_phases"]]
+        if opens:
+            cells = [f"{sum(p.get(k, 0) for p in opens):.1f} [{max(p.get(k, 0) for p in opens):.1f}]" for k in parts]
+            lines.append(f"{rule:<10} {len(opens):>5}  " + "  ".join(f"{c:>16}" for c in cells))
+    return lines
 
 
 def report(found: list[dict]) -> str:
@@ -58,11 +80,12 @@ def report(found: list[dict]) -> str:
         total += seconds
         logged = [j for j in js if j["open_seconds"] is not None]
         opened = sum(j["open_seconds"] for j in logged)
-        most = max((j["open_seconds"] / j["opens"] for j in logged), default=None)
+        most = max((o for j in logged for o in j["openings"]), default=None)
         lines.append(f"{rule:<10} {len(js):>5} {seconds:>12.1f} "
                      f"{(f'{opened:.1f}' if logged else '-'):>13} {(f'{seconds - opened:.1f}' if logged else '-'):>13}"
                      f"  {(f'{most:.1f}' if most is not None else '-'):>8}")
     lines.append(f"GPU rules, all jobs: {total:.1f} job-seconds")
+    lines += phase_report(found)
     lines.append("")
     lines.append("measurement jobs: seconds opening engines / whole job")
     for j in found:

@@ -61,7 +61,7 @@ def built(tiny, tmp_path_factory):
     return {"dir": out, "info": info, "outputs": runner({"input_ids": tiny["ids"]})["features"]}
 
 
-def _open_in_a_fresh_process(engine_dir, example_rows: int, tmp_path) -> dict:
+def _open_in_a_fresh_process(engine_dir, example_rows: int, tmp_path, opens: int = 1) -> dict:
     """Open the engine in a new interpreter (nothing compiled in memory), as a measurement job does."""
     script = textwrap.dedent(f"""
         import json, logging, sys, torch
@@ -78,16 +78,19 @@ def _open_in_a_fresh_process(engine_dir, example_rows: int, tmp_path) -> dict:
         setting = Setting("b2-w32", 2, {{"window": 32}})
         ids = torch.load({str(tmp_path / 'ids.pt')!r}, weights_only=True)
         amax = json.load(open({str(tmp_path / 'amax.json')!r}))
-        skeleton = quantization.apply_variant(fam.module(folder, "main", setting), FP8, RECIPE, amax,
-                                              fam.transforms())[0]
         example = {{"input_ids": ids[:{example_rows}]}}
-        try:
-            runner = backends.get("torch").open({str(engine_dir)!r}, example, TARGET, skeleton)
-        except Exception as e:
-            print(json.dumps({{"error": f"{{type(e).__name__}}: {{e}}"}}))
-            sys.exit(0)
+        opened = []
+        for _ in range({opens}):  # a job may open two engines (an evaluation against another engine)
+            skeleton = quantization.apply_variant(fam.module(folder, "main", setting), FP8, RECIPE, amax,
+                                                  fam.transforms())[0]
+            try:
+                runner = backends.get("torch").open({str(engine_dir)!r}, example, TARGET, skeleton)
+            except Exception as e:
+                print(json.dumps({{"error": f"{{type(e).__name__}}: {{e}}"}}))
+                sys.exit(0)
+            opened.append({{"open_seconds": runner.open_seconds, "open_phases": runner.open_phases}})
         torch.save(runner({{"input_ids": ids}})["features"], {str(tmp_path / 'out.pt')!r})
-        print(json.dumps({{"open_seconds": runner.open_seconds}}))
+        print(json.dumps({{**opened[0], "opened": opened}}))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -123,6 +126,25 @@ def test_a_fresh_process_opens_it_without_compiling_and_runs_the_same_program(bu
     assert "0 misses" in result["log"] and result["open_seconds"] > 0
     # Three rows on a batch-2 engine: two calls, the second padded; the build's own program gives the same bits.
     assert torch.equal(torch.load(opened_elsewhere / "out.pt", weights_only=True), built["outputs"])
+
+
+def test_opening_says_where_its_seconds_went(built, opened_elsewhere):
+    """An opening is split into its parts: loading the weights and the compiled artifacts, dynamo's
+    trace, the compiler loading the graphs from those artifacts, the first calls beyond those,
+    CUDA-graph capture and waiting for the device (none on a CPU). dynamo's timers are summed over
+    the process: a second opening in one job (which reuses the first one's trace here) has only its
+    own share."""
+    result = _open_in_a_fresh_process(built["dir"], 2, opened_elsewhere, opens=2)
+    assert "error" not in result, result
+    for one in result["opened"]:
+        phases, total = one["open_phases"], one["open_seconds"]
+        assert list(phases) == ["weights", "artifacts", "trace", "compiler", "calls", "capture", "waiting"]
+        assert phases["capture"] == phases["waiting"] == 0 and min(phases.values()) >= 0, phases
+        assert sum(phases.values()) <= total, (phases, total)
+    first = result["opened"][0]
+    assert all(first["open_phases"][k] > 0 for k in ("weights", "artifacts", "trace", "compiler")), first
+    assert sum(first["open_phases"].values()) >= 0.8 * first["open_seconds"], first
+    assert result["log"].count("; weights ") == 2 and " s, trace " in result["log"]
 
 
 def test_a_shape_the_build_did_not_compile_is_refused(built, opened_elsewhere):

@@ -87,4 +87,30 @@ def test_gpu_cost_sums_each_rules_benchmark_seconds():
         sum(float(p.read_text().splitlines()[1].split("\t")[0]) for p in times))
     job = next(j for j in found if j["key"].endswith("xcit-tiny/b1/fp8/time"))
     assert job["opens"] == 2 and job["open_seconds"] == pytest.approx(11.2, abs=0.06)
-    assert re.search(r"^time\s+8\s+142\.9\s+78\.7\s+64\.2\s+6\.6$", gpu_cost.report(found), re.M)
+    assert re.search(r"^time\s+8\s+142\.9\s+78\.7\s+64\.2\s+10\.1$", gpu_cost.report(found), re.M)
+
+
+def test_gpu_cost_splits_each_rules_openings_into_their_parts(tmp_path):
+    """The parts of each opening (TorchBackend.open's log line) summed per rule, with the largest of one
+    opening; a job whose log gives no parts (a run from before them) adds none. The largest opening of
+    a rule is one opening's (12.4 s), not a job's mean (10.75 s)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_cost", ROOT / "benchmarks" / "gpu_cost.py")
+    gpu_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_cost)
+    line = ("INFO quantstudy: opened results/s/t/m/b1/{v}/engine at x [1, 8] in {total} s from compiled.bin "
+            "(FX graph cache: 3 hits, 0 misses; weights 0.50 s, artifacts 0.25 s, trace {trace} s, compiler 4.00 s, "
+            "calls 0.10 s, capture 1.50 s, waiting 0.00 s)\n")
+    before_parts = "INFO quantstudy: opened e at x [1] in 5.0 s from compiled.bin (FX graph cache: 3 hits, 0 misses)\n"
+    for job, text in {"a/time": line.format(v="fp8", total=9.1, trace=2.75) + line.format(v="fp16", total=12.4, trace=6.0),
+                      "b/time": before_parts}.items():
+        (tmp_path / "benchmarks" / job).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "benchmarks" / f"{job}.tsv").write_text("s\th:m:s\n30.0\t0:00:30\n")
+        (tmp_path / "logs" / job).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "logs" / f"{job}.log").write_text(text)
+    report = gpu_cost.report(gpu_cost.jobs(tmp_path))
+    by_part = report.partition("by part")[2].splitlines()
+    assert next(r for r in by_part if r.startswith("time")).split() == ["time", "2", "1.0", "[0.5]", "0.5", "[0.2]", "8.8", "[6.0]",
+                                               "8.0", "[4.0]", "0.2", "[0.1]", "3.0", "[1.5]", "0.0", "[0.0]"]
+    assert "time 2 60.0 26.5 33.5 12.4".split() == next(r for r in report.splitlines() if r.startswith("time")).split()

@@ -14,6 +14,8 @@ same autotuning choices. What keys a compiled graph includes process settings th
 job set alike (steps.job_settings; on a CPU, inductor's code depends on the intra-op thread count),
 and the compile options (INDUCTOR_OPTIONS).
 (An AOTInductor package would also skip the trace, but loading one segfaulted on torch 2.11.)
+Each opening logs where its seconds went (`Runner.open_phases`: weights, artifacts, trace, compiler,
+calls, capture, waiting); benchmarks/gpu_cost.py sums them per rule.
 """
 
 from __future__ import annotations
@@ -127,6 +129,21 @@ def _fx_graph_cache() -> Iterator[dict[str, int]]:
     found.update({k: v - before[k] for k, v in counts().items()})
 
 
+# dynamo's own timers (torch._dynamo.utils.compile_times, seconds summed over the process): all of a
+# frame's compile, and of that the backend's part (AOTAutograd and inductor; on an opening job, the
+# loading of the compiled graphs and kernels from the cache artifacts).
+DYNAMO_TIMERS = {"dynamo": "_compile.compile_inner", "compiler": "OutputGraph.call_user_compiler"}
+
+
+def _dynamo_seconds() -> dict[str, float]:
+    """dynamo's DYNAMO_TIMERS so far in this process (0 for a timer that has not run)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    timed = dict(zip(names, values))
+    return {k: float(timed.get(name, 0.0)) for k, name in DYNAMO_TIMERS.items()}
+
+
 def load(skeleton: nn.Module, out_dir: str | Path, device: str = "cpu") -> nn.Module:
     """Fill a variant skeleton (same structure, any weights) with the engine file's weights.
 
@@ -205,11 +222,13 @@ class TorchBackend:
         model = load(skeleton, out_dir, target.device)
         if not target.compile:
             return Runner(model, example, target.device)
+        loaded = time.perf_counter()
         compiled = Path(out_dir) / COMPILED_FILE
         if not compiled.exists():
             raise NotBuilt(f"{compiled} is missing: the engine was built without compiling; rebuild it")
         with _own_inductor_cache():
             torch.compiler.load_cache_artifacts(compiled.read_bytes())
+            artifacts, dynamo = time.perf_counter(), _dynamo_seconds()
             with _fx_graph_cache() as found:
                 runner = Runner(model, example, target.device, compile=True)
         if found["miss"] or found["bypass"]:
@@ -217,8 +236,15 @@ class TorchBackend:
                            f"graph(s) that its build did not: the build compiled other shapes or other code; "
                            f"rerun it: snakemake --forcerun build {Path(out_dir).parent / 'build.json'}")
         runner.open_seconds = time.perf_counter() - started
-        log.info("opened %s at %s in %.1f s from %s (FX graph cache: %d hits, 0 misses)", out_dir,
-                 _shape_of(example), runner.open_seconds, compiled.name, found["hit"])
+        spent = {k: v - dynamo[k] for k, v in _dynamo_seconds().items()}
+        # Where the opening went, each part apart: they sum to open_seconds (less Python between them).
+        runner.open_phases = {"weights": loaded - started, "artifacts": artifacts - loaded,
+                              "trace": spent["dynamo"] - spent["compiler"], "compiler": spent["compiler"],
+                              "calls": runner.warmup_seconds - spent["dynamo"], "capture": runner.capture_seconds,
+                              "waiting": runner.waiting_seconds}
+        log.info("opened %s at %s in %.1f s from %s (FX graph cache: %d hits, 0 misses; %s)", out_dir,
+                 _shape_of(example), runner.open_seconds, compiled.name, found["hit"],
+                 ", ".join(f"{k} {v:.2f} s" for k, v in runner.open_phases.items()))
         return runner
 
     @staticmethod
@@ -246,7 +272,10 @@ class Runner:
 
         self.device = torch.device(device)
         self.model = self.module = model  # `module`: the uncompiled module, for inspection only
-        self.open_seconds: float | None = None  # set by TorchBackend.open
+        self.open_seconds: float | None = None  # set by TorchBackend.open, and its parts:
+        self.open_phases: dict[str, float] = {}
+        # waiting for the device (another job measuring), the calls before capture (compiling or loading), capture
+        self.waiting_seconds = self.warmup_seconds = self.capture_seconds = 0.0
         self.fp8_layers = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
         self.fp8_gemm = [n for n, m in model.named_modules() if isinstance(m, FP8Linear) and m.fp8_gemm]
         self.static_inputs = {k: v.to(self.device) for k, v in example.items()}
@@ -256,27 +285,35 @@ class Runner:
         if self.device.type == "cuda":
             self._capture()
         elif compile:
+            started = time.perf_counter()
             with torch.no_grad():  # compile (or load) now: opening, not the first timed call, pays for it
                 self.model(**self.static_inputs)
+            self.warmup_seconds = time.perf_counter() - started
 
     @torch.no_grad()
     def _capture(self) -> None:
         from quantstudy.timing import device_lock
 
+        asked = time.perf_counter()
         with device_lock(self.device, shared=True):  # not while another job measures
+            self.waiting_seconds = time.perf_counter() - asked
             self._capture_graph()
 
     def _capture_graph(self) -> None:
+        started = time.perf_counter()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):  # warm-up: compile, autotune, allocator
                 self.model(**self.static_inputs)
         torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        captured = time.perf_counter()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.static_outputs = self.model(**self.static_inputs)
         torch.cuda.synchronize()
+        self.warmup_seconds, self.capture_seconds = captured - started, time.perf_counter() - captured
 
     @torch.no_grad()
     def __call__(self, inputs: Inputs) -> Inputs:

@@ -7,8 +7,9 @@ RUN_DIR holds the run's `benchmarks/` (Snakemake's benchmark TSV of each job: it
 `logs/` (the job logs). A job's opening seconds are the sum of its log's `opened ... in X s` lines,
 which the torch backend writes when it opens an engine from its build's compiled program; a job of
 a run from before that (or a backend that logs no such line) shows its opening seconds as `-`. Where
-those lines give the opening's parts (weights, artifacts, trace, compiler, compiling, calls, capture, waiting:
-TorchBackend.open), each rule's seconds in each part, and the largest of one opening, are printed too.
+those lines give the opening's parts (weights, artifacts, trace, compiler, compiling, autotuning,
+calls, capture, waiting: TorchBackend.open), each rule's seconds in each part, and the largest of one
+opening, are printed too.
 """
 
 from __future__ import annotations

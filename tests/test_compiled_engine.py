@@ -131,16 +131,18 @@ def test_a_fresh_process_opens_it_without_compiling_and_runs_the_same_program(bu
 def test_opening_says_where_its_seconds_went(built, opened_elsewhere):
     """An opening is split into its parts: loading the weights and the compiled artifacts, dynamo's
     trace, the compiler loading the graphs from those artifacts, the C++ it compiles (on a CPU,
-    inductor's kernels again: the artifacts hold their source), the first calls beyond those,
-    CUDA-graph capture and waiting for the device (none on a CPU). dynamo's timers are summed over
+    inductor's kernels again: the artifacts hold their source), Triton's autotuning, the first calls
+    beyond those, CUDA-graph capture and waiting for the device (on a CPU no autotuning, capture or
+    waiting). dynamo's timers are summed over
     the process: a second opening in one job (which reuses the first one's trace here) has only its
     own share."""
     result = _open_in_a_fresh_process(built["dir"], 2, opened_elsewhere, opens=2)
     assert "error" not in result, result
     for one in result["opened"]:
         phases, total = one["open_phases"], one["open_seconds"]
-        assert list(phases) == ["weights", "artifacts", "trace", "compiler", "compiling", "calls", "capture", "waiting"]
-        assert phases["capture"] == phases["waiting"] == 0 and min(phases.values()) >= 0, phases
+        assert list(phases) == ["weights", "artifacts", "trace", "compiler", "compiling", "autotuning", "calls",
+                                "capture", "waiting"]
+        assert phases["autotuning"] == phases["capture"] == phases["waiting"] == 0 and min(phases.values()) >= 0, phases
         assert sum(phases.values()) <= total, (phases, total)
     first = result["opened"][0]
     assert all(first["open_phases"][k] > 0 for k in ("weights", "artifacts", "trace", "compiler", "compiling")), first

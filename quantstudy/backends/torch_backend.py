@@ -15,7 +15,7 @@ job set alike (steps.job_settings; on a CPU, inductor's code depends on the intr
 and the compile options (INDUCTOR_OPTIONS).
 (An AOTInductor package would also skip the trace, but loading one segfaulted on torch 2.11.)
 Each opening logs where its seconds went (`Runner.open_phases`: weights, artifacts, trace, compiler,
-compiling, calls, capture, waiting); benchmarks/gpu_cost.py sums them per rule. On a CPU (no config
+compiling, autotuning, calls, capture, waiting); benchmarks/gpu_cost.py sums them per rule. On a CPU (no config
 compiles there; the tests do) an opening compiles the C++ of inductor's kernels again: the artifacts
 hold their source. The tiny FNet's opening: 9.9 of 11.7 s.
 """
@@ -135,9 +135,11 @@ def _fx_graph_cache() -> Iterator[dict[str, int]]:
 # frame's compile; of that the backend's part (AOTAutograd and inductor; on an opening job, the
 # loading of the compiled graphs and kernels from the cache artifacts); and of that the C++ sources
 # compiled (inductor's CPU kernels: the artifacts hold their source, so an opening on a CPU compiles
-# them again; none is expected on a GPU, whose Triton kernels the artifacts hold compiled).
+# them again; none is expected on a GPU, whose Triton kernels the artifacts hold compiled); and, when
+# a Triton kernel first runs, the benchmarking of its configs (none where the artifacts hold its
+# autotuning's choice).
 DYNAMO_TIMERS = {"dynamo": "_compile.compile_inner", "compiler": "OutputGraph.call_user_compiler",
-                 "compiling": "compile_file"}
+                 "compiling": "compile_file", "autotuning": "CachingAutotuner.benchmark_all_configs"}
 
 
 def _dynamo_seconds() -> dict[str, float]:
@@ -246,7 +248,9 @@ class TorchBackend:
         runner.open_phases = {"weights": loaded - started, "artifacts": artifacts - loaded,
                               "trace": spent["dynamo"] - spent["compiler"],
                               "compiler": spent["compiler"] - spent["compiling"], "compiling": spent["compiling"],
-                              "calls": runner.warmup_seconds - spent["dynamo"], "capture": runner.capture_seconds,
+                              "autotuning": spent["autotuning"],
+                              "calls": runner.warmup_seconds - spent["dynamo"] - spent["autotuning"],
+                              "capture": runner.capture_seconds,
                               "waiting": runner.waiting_seconds}
         log.info("opened %s at %s in %.1f s from %s (FX graph cache: %d hits, 0 misses; %s)", out_dir,
                  _shape_of(example), runner.open_seconds, compiled.name, found["hit"],

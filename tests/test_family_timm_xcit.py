@@ -107,9 +107,25 @@ def test_fp32_module_equals_the_timm_model(fam, tiny):
         want = fam.load_reference(tiny, torch.float32)(x)
         got = fam.module(tiny, "main", S224)(pixel_values=x)["logits"]
     assert got.dtype == torch.float32 and got.shape == want.shape == (2, 10)
-    # Float32 rounding only: the same ops, in a different order where timm's class attention uses
-    # fused scaled_dot_product_attention and the graph module the explicit softmax (measured 2e-7).
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(got, want)  # the same ops in the same order: timm's class attention fused, as here
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_graph_module_attends_as_timms_modules_do(fam, tiny, fused):
+    """Each attention runs fused (scaled dot-product attention) or unfused as timm's module says
+    (`fused_attn`; by default the class attention fused, the channel attention not): the same bits
+    as timm's forward either way, and the two ways differ."""
+    x = fam.example_inputs(tiny, "main", Setting("b1", 1, {"height": 224, "width": 224}))["pixel_values"]
+    reference, module = fam.load_reference(tiny, torch.float32), fam.module(tiny, "main", S224)
+    for model in (reference, module):
+        for m in model.modules():
+            if hasattr(m, "fused_attn"):
+                m.fused_attn = fused
+    with torch.no_grad():
+        want, got = reference(x), module(pixel_values=x)["logits"]
+        default = fam.module(tiny, "main", S224)(pixel_values=x)["logits"]
+    assert torch.equal(got, want)
+    assert not torch.equal(got, default)  # neither way is the default mix of the two
 
 
 @pytest.mark.parametrize("tokens_norm,global_pool", [(True, "token"), (False, "avg")])
@@ -124,7 +140,7 @@ def test_graph_module_equals_timm_on_its_other_paths(fam, tokens_norm, global_po
     with torch.no_grad():
         want = fam.load_reference(folder, torch.float32)(x)
         got = fam.module(folder, "main", S224)(pixel_values=x)["logits"]
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()  # float32 rounding, as above
+    assert torch.equal(got, want)
 
 
 # --- 2. and 3. export, ONNX Runtime, ReferenceEvaluator ----------------------------------------

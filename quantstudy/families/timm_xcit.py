@@ -84,28 +84,39 @@ class Classifier(nn.Module):
 
     @staticmethod
     def _channel_attention(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """timm XCA: attention over channels, from l2-normalized q and k (timm's unfused path)."""
+        """timm XCA: attention over channels, from l2-normalized q and k; fused (scaled dot-product
+        attention) where timm's module is (`fused_attn`: timm's experimental flag, off by default)."""
         b, n, c = x.shape
         qkv = attn.qkv(x).reshape(b, n, 3, attn.num_heads, c // attn.num_heads).permute(2, 0, 3, 4, 1)
         with record_function(ATTENTION_REGION):
             q, k, v = qkv.unbind(0)  # [batch, heads, channels per head, tokens]
-            q = nn.functional.normalize(q, dim=-1)
-            k = nn.functional.normalize(k, dim=-1)
-            weights = ((q @ k.transpose(-2, -1)) * attn.temperature).softmax(dim=-1)
-            x = (weights @ v).permute(0, 3, 1, 2).reshape(b, n, c)
+            if attn.fused_attn:
+                q = nn.functional.normalize(q, dim=-1) * attn.temperature
+                k = nn.functional.normalize(k, dim=-1)
+                x = nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0)
+            else:
+                q = nn.functional.normalize(q, dim=-1)
+                k = nn.functional.normalize(k, dim=-1)
+                x = ((q @ k.transpose(-2, -1)) * attn.temperature).softmax(dim=-1) @ v
+            x = x.permute(0, 3, 1, 2).reshape(b, n, c)
         return attn.proj(x)
 
     @staticmethod
     def _class_attention(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """timm ClassAttn: the class token attends to every token; the output is its row only."""
+        """timm ClassAttn: the class token attends to every token; the output is its row only. Fused
+        (scaled dot-product attention) where timm's module is (`fused_attn`, on by default): on a
+        GPU, a fused attention kernel in place of a scale, two batched GEMMs and a softmax."""
         b, n, c = x.shape
         h = attn.num_heads
         q = attn.q(x[:, 0]).reshape(b, h, 1, c // h)
         k = attn.k(x).reshape(b, n, h, c // h).permute(0, 2, 1, 3)
         v = attn.v(x).reshape(b, n, h, c // h).permute(0, 2, 1, 3)
         with record_function(ATTENTION_REGION):
-            weights = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
-            x_cls = (weights @ v).transpose(1, 2).reshape(b, 1, c)
+            if attn.fused_attn:
+                x_cls = nn.functional.scaled_dot_product_attention(q, k, v)
+            else:
+                x_cls = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+            x_cls = x_cls.transpose(1, 2).reshape(b, 1, c)
         return attn.proj(x_cls)
 
     def forward(self, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -10,6 +10,9 @@
 # Every call ends by packing what exists into $OUT/evidence.tar.gz (no engines, ONNX or safetensors).
 # Also the GPT-Neo evidence (results/h200-gpt-neo/): STUDY names the study, EV the folder of its log and
 # stage markers, CALL a config file layered over config/h200.yaml (config/realsize/calls/).
+# TVP (model/setting patterns, e.g. 'xcit-*/b1'): after the study, benchmarks/torch_vs_plain.py on
+# those settings, opening the study's own builds (with CALL empty: the same config); TVP_ARGS adds
+# options (--profile).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 || exit 1
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -43,15 +46,20 @@ gputests() {
     -p no:cacheprovider -p no:warnings > $ev/pytest.txt 2>&1
   echo "pytest exit status $?" >> $ev/pytest.txt
 }
-export ev sm && export -f machine pass1 pass2 gputests
+tvp() {
+  python3 benchmarks/torch_vs_plain.py --settings $TVP --cores 16 --compile-workers ${TVP_ARGS:-} --budget-s $1 \
+    --out $ev/torch_vs_plain.json > $ev/torch_vs_plain.md 2> $ev/torch_vs_plain.log
+}
+export ev sm TVP=${TVP:-} TVP_ARGS=${TVP_ARGS:-} && export -f machine pass1 pass2 gputests tvp
 python3 -m snakemake --unlock --configfile config/h200.yaml > /dev/null 2>&1
 ok=1
 stage machine machine || ok=0
 [ $ok = 1 ] && stage pass1-$study pass1 $study && stage pass2-$study pass2 $study || ok=0
 [ $ok = 1 ] && log "study $study: both passes in $(( $(date +%s) - t0 )) s (this call)"
 [ $ok = 1 ] && python3 benchmarks/gpu_cost.py . --study $study > $ev/gpu_cost-$study.txt 2>&1
+[ $ok = 1 ] && [ -n "${TVP:-}" ] && { stage tvp tvp $(( $(left) - 40 )) || ok=0; }
 [ $ok = 1 ] && { [ "${GPUTESTS:-1}" = 0 ] || stage gputests gputests; } && log "all stages done"
 find results/$study logs/$study benchmarks/$study \
   \( -name '*.json' -o -name '*.md' -o -name '*.log' -o -name '*.tsv' -o -name '*.png' \) ! -path '*/data/*' 2>/dev/null |
-  tar czf $OUT/evidence.tar.gz -T - $ev
+  tar czf $OUT/evidence.tar.gz -T - $ev $(ls -d results/torch-vs-plain/compile-workers 2>/dev/null)
 ls -la $OUT

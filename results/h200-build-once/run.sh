@@ -47,6 +47,7 @@ gputests() {
   echo "pytest exit status $?" >> $ev/pytest.txt
 }
 tvp() {
+  set -f  # TVP's patterns split into words, never globbed against files
   python3 benchmarks/torch_vs_plain.py --settings $TVP --cores 16 --compile-workers ${TVP_ARGS:-} --budget-s $1 \
     --out $ev/torch_vs_plain.json > $ev/torch_vs_plain.md 2> $ev/torch_vs_plain.log
 }

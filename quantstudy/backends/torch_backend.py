@@ -15,9 +15,9 @@ job set alike (steps.job_settings; on a CPU, inductor's code depends on the intr
 and the compile options (INDUCTOR_OPTIONS).
 (An AOTInductor package would also skip the trace, but loading one segfaulted on torch 2.11.)
 Each opening logs where its seconds went (`Runner.open_phases`: weights, artifacts, trace, compiler,
-compiling, autotuning, calls, capture, waiting); benchmarks/gpu_cost.py sums them per rule. On a CPU (no config
-compiles there; the tests do) an opening compiles the C++ of inductor's kernels again: the artifacts
-hold their source. The tiny FNet's opening: 9.9 of 11.7 s.
+compiling, autotuning, calls, capture, waiting); benchmarks/gpu_cost.py sums them per rule. On a
+CPU (no config compiles there; the tests do) an opening compiles the C++ of inductor's kernels
+again, as the artifacts hold their source: 9.9 of the tiny FNet's 11.7 s.
 """
 
 from __future__ import annotations

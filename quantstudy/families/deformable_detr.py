@@ -503,8 +503,8 @@ class DeformableDetr:
                 their_logits, their_boxes = detector_outputs(other, processor, images, setting, f"{name} on {other_name}")
                 theirs = _detections(their_logits, their_boxes, truth, labels)
                 their_ap = box_ap(theirs, rows, truth, labels)["ap"]
-                blocks[base.against_block(name, other_name)] = {"ap": their_ap, "ap_drop": their_ap - ap["ap"],
-                                                     **agreement(their_logits, theirs, logits, mine, metrics)}
+                blocks[base.against_block(name, other_name)] = {
+                    "ap": their_ap, "ap_drop": their_ap - ap["ap"], **agreement(their_logits, theirs, logits, mine, metrics)}
         return base.Evaluation(blocks, nonfinite)
 
     def quality_columns(self, evaluation_samples: list[str], against: list[str]) -> base.QualityColumns:

@@ -7,9 +7,9 @@ RUN_DIR holds the run's `benchmarks/` (Snakemake's benchmark TSV of each job: it
 `logs/` (the job logs). A job's opening seconds are the sum of its log's `opened ... in X s` lines,
 which the torch backend writes when it opens an engine from its build's compiled program; a job of
 a run from before that (or a backend that logs no such line) shows its opening seconds as `-`. Where
-those lines give the opening's parts (weights, artifacts, trace, compiler, compiling, autotuning,
-calls, capture, waiting: TorchBackend.open), each rule's seconds in each part, and the largest of one
-opening, are printed too.
+those lines give the opening's parts (weights, artifacts, trace, compiler, calls, capture, waiting:
+TorchBackend.open) and the work it redid (compiling, autotuning), each rule's seconds in each, and
+the largest of one opening, are printed too.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 GPU_RULES = ("reference", "calibrate", "build", "time", "profile", "gemm", "evaluate")
 MEASUREMENT_RULES = ("time", "profile", "gemm", "evaluate")
 OPENED = re.compile(r" opened \S+ at .* in ([0-9.]+) s from .*")
-PHASE = re.compile(r"(\w+) (-?[0-9.]+) s")  # in an `opened` line, after the cache counts: "trace 3.21 s"
+PHASE = re.compile(r"(\w+) (-?[0-9.]+) s")  # a part of an opening in its `opened` line: "trace 3.21 s"
 
 
 def rule_of(tsv: Path) -> str:
@@ -44,11 +44,17 @@ def jobs(run: Path, study: str | None = None) -> list[dict]:
         log = run / "logs" / key.with_suffix(".log")
         lines = list(OPENED.finditer(log.read_text(errors="replace"))) if log.exists() else []
         opened = [float(m.group(1)) for m in lines]
-        phases = [{k: float(v) for k, v in PHASE.findall(m.group(0).partition("misses; ")[2])} for m in lines]
+        # "...0 misses; weights 0.50 s, ..., waiting 0.00 s; of which compiling 0.00 s, autotuning 0.00 s)"
+        parts = [m.group(0).partition("misses; ")[2].partition("; of which ") for m in lines]
         found.append({"rule": rule_of(tsv), "key": str(key), "seconds": seconds, "opens": len(opened),
                       "open_seconds": sum(opened) if opened else None, "openings": opened,
-                      "open_phases": [p for p in phases if p]})
+                      "open_phases": [_seconds(p[0]) | {f"{k} (redone)": v for k, v in _seconds(p[2]).items()}
+                                      for p in parts if p[0]]})
     return found
+
+
+def _seconds(text: str) -> dict[str, float]:
+    return {k: float(v) for k, v in PHASE.findall(text)}
 
 
 def phase_report(found: list[dict]) -> list[str]:
@@ -57,13 +63,14 @@ def phase_report(found: list[dict]) -> list[str]:
     parts = list(dict.fromkeys(k for j in found for p in j["open_phases"] for k in p))
     if not parts:
         return []
-    lines = ["", "opening engines, by part: seconds summed over the rule's openings [largest in one opening]",
-             f"{'rule':<10} {'opens':>5}  " + "  ".join(f"{k:>16}" for k in parts)]
+    lines = ["", "opening engines, by part: seconds summed over the rule's openings [largest in one opening]; "
+                 "(redone): work within those parts that the build should have done",
+             f"{'rule':<10} {'opens':>5}  " + "  ".join(f"{k:>18}" for k in parts)]
     for rule in MEASUREMENT_RULES:
         opens = [p for j in found if j["rule"] == rule for p in j["open_phases"]]
         if opens:
             cells = [f"{sum(p.get(k, 0) for p in opens):.1f} [{max(p.get(k, 0) for p in opens):.1f}]" for k in parts]
-            lines.append(f"{rule:<10} {len(opens):>5}  " + "  ".join(f"{c:>16}" for c in cells))
+            lines.append(f"{rule:<10} {len(opens):>5}  " + "  ".join(f"{c:>18}" for c in cells))
     return lines
 
 

@@ -88,7 +88,8 @@ def _open_in_a_fresh_process(engine_dir, example_rows: int, tmp_path, opens: int
             except Exception as e:
                 print(json.dumps({{"error": f"{{type(e).__name__}}: {{e}}"}}))
                 sys.exit(0)
-            opened.append({{"open_seconds": runner.open_seconds, "open_phases": runner.open_phases}})
+            opened.append({{"open_seconds": runner.open_seconds, "open_phases": runner.open_phases,
+                           "open_redone": runner.open_redone}})
         torch.save(runner({{"input_ids": ids}})["features"], {str(tmp_path / 'out.pt')!r})
         print(json.dumps({{**opened[0], "opened": opened}}))
     """)
@@ -130,24 +131,23 @@ def test_a_fresh_process_opens_it_without_compiling_and_runs_the_same_program(bu
 
 def test_opening_says_where_its_seconds_went(built, opened_elsewhere):
     """An opening is split into its parts: loading the weights and the compiled artifacts, dynamo's
-    trace, the compiler loading the graphs from those artifacts, the C++ it compiles (on a CPU,
-    inductor's kernels again: the artifacts hold their source), Triton's autotuning, the first calls
-    beyond those, CUDA-graph capture and waiting for the device (on a CPU no autotuning, capture or
-    waiting). dynamo's timers are summed over
-    the process: a second opening in one job (which reuses the first one's trace here) has only its
-    own share."""
+    trace, the compiler loading the graphs from those artifacts, the first calls beyond those,
+    CUDA-graph capture and waiting for the device (none on a CPU). Apart: the work it redid, C++
+    compiled (on a CPU, inductor's kernels: the artifacts hold their source) and Triton configs
+    benchmarked (none on a CPU). dynamo's timers are summed over the process: a second opening in
+    one job (which reuses the first one's trace here) has only its own share."""
     result = _open_in_a_fresh_process(built["dir"], 2, opened_elsewhere, opens=2)
     assert "error" not in result, result
     for one in result["opened"]:
         phases, total = one["open_phases"], one["open_seconds"]
-        assert list(phases) == ["weights", "artifacts", "trace", "compiler", "compiling", "autotuning", "calls",
-                                "capture", "waiting"]
-        assert phases["autotuning"] == phases["capture"] == phases["waiting"] == 0 and min(phases.values()) >= 0, phases
-        assert sum(phases.values()) <= total, (phases, total)
-    first = result["opened"][0]
-    assert all(first["open_phases"][k] > 0 for k in ("weights", "artifacts", "trace", "compiler", "compiling")), first
-    assert sum(first["open_phases"].values()) >= 0.8 * first["open_seconds"], first
-    assert result["log"].count("; weights ") == 2 and " s, trace " in result["log"]
+        assert list(phases) == ["weights", "artifacts", "trace", "compiler", "calls", "capture", "waiting"]
+        assert phases["capture"] == phases["waiting"] == 0 and min(phases.values()) >= 0, phases
+        assert 0.8 * total <= sum(phases.values()) <= total, (phases, total)
+        assert list(one["open_redone"]) == ["compiling", "autotuning"] and one["open_redone"]["autotuning"] == 0
+    first, second = result["opened"]
+    assert all(first["open_phases"][k] > 0 for k in ("weights", "artifacts", "trace", "compiler")), first
+    assert first["open_redone"]["compiling"] > 0 and second["open_redone"]["compiling"] == 0
+    assert result["log"].count("; weights ") == 2 and "; of which compiling " in result["log"]
 
 
 def test_a_shape_the_build_did_not_compile_is_refused(built, opened_elsewhere):

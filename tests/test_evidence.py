@@ -101,9 +101,10 @@ def test_gpu_cost_splits_each_rules_openings_into_their_parts(tmp_path):
     spec.loader.exec_module(gpu_cost)
     line = ("INFO quantstudy: opened results/s/t/m/b1/{v}/engine at x [1, 8] in {total} s from compiled.bin "
             "(FX graph cache: 3 hits, 0 misses; weights 0.50 s, artifacts 0.25 s, trace {trace} s, compiler 4.00 s, "
-            "calls 0.10 s, capture 1.50 s, waiting 0.00 s)\n")
+            "calls 0.10 s, capture 1.50 s, waiting 0.00 s; of which compiling 0.00 s, autotuning {tuned} s)\n")
     before_parts = "INFO quantstudy: opened e at x [1] in 5.0 s from compiled.bin (FX graph cache: 3 hits, 0 misses)\n"
-    for job, text in {"a/time": line.format(v="fp8", total=9.1, trace=2.75) + line.format(v="fp16", total=12.4, trace=6.0),
+    for job, text in {"a/time": line.format(v="fp8", total=9.1, trace=2.75, tuned=0.0)
+                      + line.format(v="fp16", total=12.4, trace=6.0, tuned=0.35),
                       "b/time": before_parts}.items():
         (tmp_path / "benchmarks" / job).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "benchmarks" / f"{job}.tsv").write_text("s\th:m:s\n30.0\t0:00:30\n")
@@ -111,6 +112,9 @@ def test_gpu_cost_splits_each_rules_openings_into_their_parts(tmp_path):
         (tmp_path / "logs" / f"{job}.log").write_text(text)
     report = gpu_cost.report(gpu_cost.jobs(tmp_path))
     by_part = report.partition("by part")[2].splitlines()
-    assert next(r for r in by_part if r.startswith("time")).split() == ["time", "2", "1.0", "[0.5]", "0.5", "[0.2]", "8.8", "[6.0]",
-                                               "8.0", "[4.0]", "0.2", "[0.1]", "3.0", "[1.5]", "0.0", "[0.0]"]
+    assert by_part[1].split() == ["rule", "opens", "weights", "artifacts", "trace", "compiler", "calls", "capture",
+                                  "waiting", "compiling", "(redone)", "autotuning", "(redone)"]
+    assert next(r for r in by_part if r.startswith("time")).split() == [
+        "time", "2", "1.0", "[0.5]", "0.5", "[0.2]", "8.8", "[6.0]", "8.0", "[4.0]", "0.2", "[0.1]", "3.0", "[1.5]",
+        "0.0", "[0.0]", "0.0", "[0.0]", "0.3", "[0.3]"]
     assert "time 2 60.0 26.5 33.5 12.4".split() == next(r for r in report.splitlines() if r.startswith("time")).split()

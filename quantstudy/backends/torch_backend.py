@@ -15,9 +15,10 @@ job set alike (steps.job_settings; on a CPU, inductor's code depends on the intr
 and the compile options (INDUCTOR_OPTIONS).
 (An AOTInductor package would also skip the trace, but loading one segfaulted on torch 2.11.)
 Each opening logs where its seconds went (`Runner.open_phases`: weights, artifacts, trace, compiler,
-compiling, autotuning, calls, capture, waiting); benchmarks/gpu_cost.py sums them per rule. On a
-CPU (no config compiles there; the tests do) an opening compiles the C++ of inductor's kernels
-again, as the artifacts hold their source: 9.9 of the tiny FNet's 11.7 s.
+calls, capture, waiting) and the work it redid (`open_redone`: C++ compiling, Triton autotuning);
+benchmarks/gpu_cost.py sums them per rule. On a CPU (no config compiles there; the tests do) an
+opening compiles the C++ of inductor's kernels again, as the artifacts hold their source: 9.9 of the
+tiny FNet's 11.7 s.
 """
 
 from __future__ import annotations
@@ -131,15 +132,19 @@ def _fx_graph_cache() -> Iterator[dict[str, int]]:
     found.update({k: v - before[k] for k, v in counts().items()})
 
 
-# dynamo's own timers (torch._dynamo.utils.compile_times, seconds summed over the process): all of a
-# frame's compile; of that the backend's part (AOTAutograd and inductor; on an opening job, the
-# loading of the compiled graphs and kernels from the cache artifacts); and of that the C++ sources
-# compiled (inductor's CPU kernels: the artifacts hold their source, so an opening on a CPU compiles
-# them again; none is expected on a GPU, whose Triton kernels the artifacts hold compiled); and, when
-# a Triton kernel first runs, the benchmarking of its configs (none where the artifacts hold its
-# autotuning's choice).
+# dynamo's own timers (torch._dynamo.utils.compile_times, seconds summed over the process). The parts
+# of an opening: all of dynamo's work on a frame (`dynamo`), of which the backend's (AOTAutograd and
+# inductor: on an opening job, loading the compiled graphs and kernels from the cache artifacts), or,
+# where dynamo's own output was cached too (torch's experimental caching precompile), the loading of
+# that in place of a trace. And two kinds of work an opening should not do again, summed wherever they
+# ran (a compile thread pool's seconds may exceed the wall time): the C++ sources compiled (inductor's
+# CPU kernels, whose source is what the artifacts hold; none on a GPU, whose Triton kernels they hold
+# compiled), and the benchmarking of a Triton kernel's configs when it first runs (none where the
+# artifacts hold the autotuning's choice).
 DYNAMO_TIMERS = {"dynamo": "_compile.compile_inner", "compiler": "OutputGraph.call_user_compiler",
+                 "precompiled": "after_deserialization",
                  "compiling": "compile_file", "autotuning": "CachingAutotuner.benchmark_all_configs"}
+REDONE = ("compiling", "autotuning")
 
 
 def _dynamo_seconds() -> dict[str, float]:
@@ -238,23 +243,25 @@ class TorchBackend:
             artifacts, dynamo = time.perf_counter(), _dynamo_seconds()
             with _fx_graph_cache() as found:
                 runner = Runner(model, example, target.device, compile=True)
+            ran = time.perf_counter() - artifacts
         if found["miss"] or found["bypass"]:
             raise NotBuilt(f"opening {out_dir} at {_shape_of(example)} had to compile {found['miss'] + found['bypass']} "
                            f"graph(s) that its build did not: the build compiled other shapes or other code; "
                            f"rerun it: snakemake --forcerun build {Path(out_dir).parent / 'build.json'}")
         runner.open_seconds = time.perf_counter() - started
         spent = {k: v - dynamo[k] for k, v in _dynamo_seconds().items()}
-        # Where the opening went, each part apart: they sum to open_seconds (less Python between them).
+        loading = spent["compiler"] + spent["precompiled"]
+        # Where the opening went, the parts apart (they sum to open_seconds, less Python between them);
+        # and the work redone within them, which the build should have done.
         runner.open_phases = {"weights": loaded - started, "artifacts": artifacts - loaded,
-                              "trace": spent["dynamo"] - spent["compiler"],
-                              "compiler": spent["compiler"] - spent["compiling"], "compiling": spent["compiling"],
-                              "autotuning": spent["autotuning"],
-                              "calls": runner.warmup_seconds - spent["dynamo"] - spent["autotuning"],
-                              "capture": runner.capture_seconds,
-                              "waiting": runner.waiting_seconds}
-        log.info("opened %s at %s in %.1f s from %s (FX graph cache: %d hits, 0 misses; %s)", out_dir,
+                              "trace": spent["dynamo"] - loading, "compiler": loading,
+                              "calls": ran - spent["dynamo"] - runner.capture_seconds - runner.waiting_seconds,
+                              "capture": runner.capture_seconds, "waiting": runner.waiting_seconds}
+        runner.open_redone = {k: spent[k] for k in REDONE}
+        log.info("opened %s at %s in %.1f s from %s (FX graph cache: %d hits, 0 misses; %s; of which %s)", out_dir,
                  _shape_of(example), runner.open_seconds, compiled.name, found["hit"],
-                 ", ".join(f"{k} {v:.2f} s" for k, v in runner.open_phases.items()))
+                 ", ".join(f"{k} {v:.2f} s" for k, v in runner.open_phases.items()),
+                 ", ".join(f"{k} {v:.2f} s" for k, v in runner.open_redone.items()))
         return runner
 
     @staticmethod
@@ -282,10 +289,10 @@ class Runner:
 
         self.device = torch.device(device)
         self.model = self.module = model  # `module`: the uncompiled module, for inspection only
-        self.open_seconds: float | None = None  # set by TorchBackend.open, and its parts:
+        self.open_seconds: float | None = None  # set by TorchBackend.open, with its parts and the work redone:
         self.open_phases: dict[str, float] = {}
-        # waiting for the device (another job measuring), the calls before capture (compiling or loading), capture
-        self.waiting_seconds = self.warmup_seconds = self.capture_seconds = 0.0
+        self.open_redone: dict[str, float] = {}
+        self.waiting_seconds = self.capture_seconds = 0.0  # waiting for the device (another job measuring), capture
         self.fp8_layers = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
         self.fp8_gemm = [n for n, m in model.named_modules() if isinstance(m, FP8Linear) and m.fp8_gemm]
         self.static_inputs = {k: v.to(self.device) for k, v in example.items()}
@@ -295,10 +302,8 @@ class Runner:
         if self.device.type == "cuda":
             self._capture()
         elif compile:
-            started = time.perf_counter()
             with torch.no_grad():  # compile (or load) now: opening, not the first timed call, pays for it
                 self.model(**self.static_inputs)
-            self.warmup_seconds = time.perf_counter() - started
 
     @torch.no_grad()
     def _capture(self) -> None:
@@ -310,7 +315,6 @@ class Runner:
             self._capture_graph()
 
     def _capture_graph(self) -> None:
-        started = time.perf_counter()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -323,7 +327,7 @@ class Runner:
         with torch.cuda.graph(self.graph):
             self.static_outputs = self.model(**self.static_inputs)
         torch.cuda.synchronize()
-        self.warmup_seconds, self.capture_seconds = captured - started, time.perf_counter() - captured
+        self.capture_seconds = time.perf_counter() - captured
 
     @torch.no_grad()
     def __call__(self, inputs: Inputs) -> Inputs:

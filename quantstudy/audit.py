@@ -144,6 +144,18 @@ def timing_problems(path: str, doc: dict[str, Any]) -> list[str]:
     return problems
 
 
+def redone_problems(path: str, doc: dict[str, Any]) -> list[str]:
+    """A measurement job that, opening an engine, redid work its build should have done (`open_redone`:
+    compiled or autotuned again): what it measured may not be the program the build made."""
+    redone = doc.get("open_redone") or {}
+    if doc.get("schema") == "timing":  # {variant: {graph: {kind: s}}}: the baseline's engine and the variant's
+        redone = {f"{v} {g}": kinds for v, graphs in redone.items() for g, kinds in graphs.items()}
+    build = doc.get("provenance", {}).get("inputs", {}).get("build", {}).get("path", "<its build.json>")
+    return [f"{path}: opening the {name} engine redid work its build should have done ({kind} {s:g} s): the "
+            f"build's compiled program lacks what this job ran; rerun it: snakemake --forcerun build {build}"
+            for name, kinds in sorted(redone.items()) for kind, s in kinds.items() if s > 0]
+
+
 def redrawn_problems(path: str, doc: dict[str, Any], family: str) -> list[str]:
     """A sample list drawn again (steps.draw_samples) from the files of the snapshot it records, at the
     pinned revision: where an id or a sample's content differs from the list, or none."""
@@ -226,6 +238,7 @@ def check_chain(tables_json: str | Path) -> dict[str, Any]:
     for path, doc in read:
         if doc.get("schema") == "timing":
             problems += timing_problems(path, doc)
+        problems += redone_problems(path, doc)
     if not problems:  # aggregate reads every input: with one damaged, the chain's problems say which
         problems += rederived_problems(tables_json, tables)
     for path, doc in read:

@@ -490,6 +490,12 @@ def _opened(runners: dict[str, Any]) -> dict[str, float]:
     return {g: round(r.open_seconds, 3) for g, r in runners.items() if r.open_seconds is not None}
 
 
+def _redone(runners: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """{graph: {kind: seconds}} of the work opening each engine redid that its build should have done
+    (Runner.open_redone; the audit's redone_problems)."""
+    return {g: {k: round(v, 3) for k, v in r.open_redone.items()} for g, r in runners.items() if r.open_redone}
+
+
 def _probe(family: str, build_doc: dict[str, Any], checkpoint_json: str, setting, runners: dict[str, Any]
            ) -> dict[str, Any]:
     """TEST01's probe: each graph's outputs on the setting's seeded example inputs, in brief (shape,
@@ -553,6 +559,7 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
             graphs[g] = {"variant_ms": v, "baseline_ms": b, **qt.speedup(b["samples_ms"], v["samples_ms"]), "fp8": fp8}
         return {"repeat": repeat, "baseline": baseline, "batch": st.batch, "shape": dict(st.shape), "graphs": graphs,
                 **_engine_digests(variant_doc), "open_seconds": {v: _opened(r) for v, r in runners.items()},
+                "open_redone": {v: _redone(r) for v, r in runners.items()},
                 "probe": _probe(family, variant_doc, checkpoint_json, st, runners[ident["variant"]])}
 
     _record("timing", "time", out, ident, inputs, params, measure, {"baseline": baseline, "repeat": repeat})
@@ -578,7 +585,7 @@ def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting:
             with qt.device_lock(tgt.device):
                 graphs[g] = backends.get(tgt.backend).profile(runner, calls, classify, regions)
         return {"groups": fam.kernel_groups, "graphs": graphs, **_engine_digests(build_doc),
-                "open_seconds": _opened(runners)}
+                "open_seconds": _opened(runners), "open_redone": _redone(runners)}
 
     _record("kernels", "profile", out, ident, inputs, params, measure)
 
@@ -680,6 +687,6 @@ def evaluate(ident: dict[str, Any], family: str, target: dict[str, Any], setting
             log.info("%s; non-finite %d", result.blocks, result.total_nonfinite)
             probe = _probe(family, build_doc, checkpoint_json, st, runners)
         return {"repeat": repeat, "blocks": result.blocks, **_engine_digests(build_doc), "open_seconds": _opened(runners),
-                "probe": probe, "nonfinite": {**result.nonfinite, "total_bad": result.total_nonfinite}}
+                "open_redone": _redone(runners), "probe": probe, "nonfinite": {**result.nonfinite, "total_bad": result.total_nonfinite}}
 
     _record("quality", "evaluate", out, ident, inputs, params, measure, {"repeat": repeat})

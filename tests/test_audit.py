@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+from quantstudy import audit
 from quantstudy.audit import one_engine_problems, probes_differ
 from quantstudy.reproduce import compare_quality, compare_timing
 
@@ -97,3 +98,20 @@ def test_a_number_shown_with_its_samples_precision_is_found_in_the_tables():
     assert shown == "94%"
     hits = audit.find_number(tables, shown)
     assert [(h["column"], h["source"]) for h in hits] == [("heldout.top1_agreement", "q.json")]
+
+
+def test_an_opening_that_redid_its_builds_work_is_a_problem():
+    """A job whose opening compiled or autotuned again (Runner.open_redone) is named with the engine,
+    the work and the build to rerun; nothing redone, or a backend that opens no compiled program, is not."""
+    build = {"provenance": {"inputs": {"build": {"path": "r/fp8/build.json"}}}}
+    timing = {"schema": "timing", **build, "open_redone": {
+        "fp16": {"main": {"compiling": 0.0, "autotuning": 0.0}}, "fp8": {"main": {"compiling": 0.0, "autotuning": 1.5}}}}
+    assert audit.redone_problems("r/fp8/timing.json", timing) == [
+        "r/fp8/timing.json: opening the fp8 main engine redid work its build should have done (autotuning 1.5 s): "
+        "the build's compiled program lacks what this job ran; rerun it: snakemake --forcerun build r/fp8/build.json"]
+    quality = {"schema": "quality", **build, "open_redone": {"decode": {"compiling": 2.0, "autotuning": 0.0}}}
+    [problem] = audit.redone_problems("q.json", quality)
+    assert problem.startswith("q.json: opening the decode engine redid work its build should have done (compiling 2 s)")
+    for clean in ({"schema": "quality", "open_redone": {"main": {"compiling": 0.0, "autotuning": 0.0}}},
+                  {"schema": "quality", "open_redone": {}}, {"schema": "quality"}):
+        assert audit.redone_problems("q.json", clean) == []

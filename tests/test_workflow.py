@@ -524,6 +524,23 @@ def test_timing_and_evaluation_that_opened_different_compiled_programs_fail_the_
             f"{variant}/build.json") in log
 
 
+def test_a_timing_job_whose_opening_autotuned_again_fails_the_audit(workflow_copy, tmp_path):
+    """No measurement job compiles or autotunes: a timing job that records its opening redid its build's
+    work (Runner.open_redone) fails the audit, which names the build to rerun."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    variant = "results/fnet/cpu-torch/fnet-base/w512/fp8"
+    assert json.loads((repo / variant / "timing.json").read_text())["open_redone"] == {"fp16-hs": {}, "fp8": {}}
+    _forge(repo / variant / "timing.json", lambda d: d.update(open_redone={"fp16-hs": {}, "fp8": {"main": {"autotuning": 2.5}}}))
+    proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
+    assert proc.returncode != 0
+    assert (f"{variant}/timing.json: opening the fp8 main engine redid work its build should have done (autotuning "
+            f"2.5 s): the build's compiled program lacks what this job ran; rerun it: snakemake --forcerun build "
+            f"{variant}/build.json") in (repo / "logs/fnet/audit.log").read_text()
+
+
 def test_a_tampered_revision_fails_the_audit(workflow_copy, tmp_path):
     """checkpoint.json made to say another revision, its digest recomputed: its snapshot and the
     study's pin both contradict it, whether or not the jobs after it are rerun."""

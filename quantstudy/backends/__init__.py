@@ -55,8 +55,10 @@ class Runner(Protocol):
     fp8_layers: list[str] | None
     fp8_gemm: list[str] | None
     # Seconds it took to open the engine from a compiled program (torch); None where nothing is loaded
-    # but the engine file itself.
+    # but the engine file itself. And the work that opening redid which its build should have done,
+    # seconds by kind (torch: C++ compiling, Triton autotuning); empty where it loaded nothing.
     open_seconds: float | None
+    open_redone: dict[str, float]
 
     def __call__(self, inputs: Inputs) -> Inputs: ...
 

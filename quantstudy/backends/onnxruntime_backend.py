@@ -132,6 +132,7 @@ class Runner:
         self.device = torch.device("cpu")
         self.fp8_layers = self.fp8_gemm = None  # the engine decides; its profile and inspector tell
         self.open_seconds = None
+        self.open_redone: dict[str, float] = {}
         self.session = ort.InferenceSession(str(engine), _session_options(target), providers=PROVIDERS)
         self.input_shapes = {i.name: i.shape for i in self.session.get_inputs()}
         self.input_types = {i.name: _NUMPY_TYPES[i.type] for i in self.session.get_inputs()}

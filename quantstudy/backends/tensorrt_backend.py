@@ -268,6 +268,7 @@ class Runner:
         self.out_dir = out_dir
         self.fp8_layers = self.fp8_gemm = None  # the engine decides; its profile and inspector tell
         self.open_seconds = None
+        self.open_redone: dict[str, float] = {}
         mark = LOGGER.mark()
         self.runtime = trt.Runtime(LOGGER)
         self.engine = self.runtime.deserialize_cuda_engine((out_dir / PLAN_FILE).read_bytes())

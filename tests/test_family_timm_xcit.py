@@ -351,6 +351,10 @@ def test_kernel_groups(fam):
     assert fam.kernel_group(None, "aten::linear", "cpu", op("aten::linear", (1, 197, 128), (128, 128))) == "fp16 GEMMs"
     assert fam.kernel_group(None, "k", "cuda", op("aten::matmul", (1, 4, 32, 196), (1, 4, 196, 32))) == "attention"
     assert fam.kernel_group(None, "k", "cuda", op("aten::cudnn_convolution", (1, 128, 14, 14))) == "convolutions"
+    # the fused class attention, by its op or, in compiled code, by its kernel's name (cuDNN's included)
+    assert fam.kernel_group(None, "k", "cuda", op("aten::_scaled_dot_product_efficient_attention")) == "attention"
+    assert fam.kernel_group(None, "cudnn_generated_fort_native_sdpa_sm90_knob_7", "cuda", None) == "attention"
+    assert fam.kernel_group(None, "aten::_scaled_dot_product_flash_attention_for_cpu", "cpu", None) == "attention"
     assert fam.kernel_group(None, "aten::mkldnn_convolution", "cpu", None) == "convolutions"
     assert fam.kernel_group(None, "k", "cuda", op("aten::_scaled_mm", (196, 128), (128, 384))) == "FP8 GEMMs"
     assert fam.kernel_group(None, "sm90_xmma_gemm_e4m3f16_tn", "cuda", None) == "FP8 GEMMs"

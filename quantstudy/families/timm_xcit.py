@@ -65,6 +65,7 @@ IMAGE_EXTENSIONS = ("webp", "png", "jpg", "jpeg")  # what clip_benchmark reads f
 CALIBRATION_BATCH = 16  # images per calibration forward; max calibration does not depend on it
 EVAL_CHUNK = 64  # images decoded and run at a time: 1,500 images at 224 px are 900 MB as pixels
 CONV_OPS = re.compile(r"conv(\dd|olution|_depthwise)")  # aten::conv2d, aten::mkldnn_convolution, ...
+ATTENTION_OPS = re.compile(r"scaled_dot_product")  # aten::_scaled_dot_product_{flash,efficient,cudnn}_attention
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -231,7 +232,7 @@ class TimmXcit:
     # GPU kernels that no recognised op launched (compiled code, TensorRT), by name; first match wins.
     kernel_patterns = [("FP8 GEMMs", r"(e4m3|fp8|f8f8|qqtst)"),
                        ("convolutions", r"(conv|fprop|depthwise|dgrad)"),
-                       ("attention", r"(fmha|flash|attention|softmax)"),
+                       ("attention", r"(fmha|flash|attention|softmax|sdpa)"),
                        ("fp16 GEMMs", r"(gemm|hmma|xmma|cutlass|nvjet|triton_tem_.*mm)")]
 
     # --- configuration -------------------------------------------------------------------
@@ -518,7 +519,8 @@ class TimmXcit:
         By region where the eager model marks one (FP8 layers, attention cores, convolutions).
         Otherwise by the op (a GPU kernel: the op that launched it): torch._scaled_mm is an FP8
         GEMM; a convolution op is a convolution; a GEMM of two activations (both operands of
-        rank 3 or more) is attention; other GEMMs (a rank-2 weight) are fp16 linears. Compiled
+        rank 3 or more), or scaled dot-product attention, is attention; other GEMMs (a rank-2
+        weight) are fp16 linears. Compiled
         code and exported graphs keep no regions, hence the ops and then the kernel names.
         """
         from quantstudy import timing as qt
@@ -532,6 +534,8 @@ class TimmXcit:
             return "convolutions"
         if op_name in qt.GEMM_OPS:
             return "attention" if qt.gemm_of_activations(op) else "fp16 GEMMs"
+        if op_name and ATTENTION_OPS.search(op_name):  # the fused class attention, whichever kernel runs it
+            return "attention"
         return "other" if device == "cpu" else qt.group_by_name(name, TimmXcit.kernel_patterns)
 
     @staticmethod

@@ -409,15 +409,15 @@ def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame], baselines: di
             continue
         result = condition(c, mine[c["table"]])
         frame = tables[c["table"]]
-        theirs = frame[frame.variant == frame.setting.map(baselines)] if c["table"] == "quality" and len(frame) else None
-        if theirs is not None:  # the baseline the column is measured against has no value in it: not applied
-            theirs = theirs[theirs.variant != measured_against(c["column"], study.get("quality_against") or [])]
-        if theirs is not None and len(theirs):
-            base = condition(c, theirs)
-            result["baseline"] = {"variants": sorted(set(theirs.variant)), "observed": base["observed"],
-                                  "n": base["n"], "pass": base["pass"]}
-        else:
-            result["baseline"] = None
+        result["baseline"] = None
+        if c["table"] == "quality" and len(frame):
+            # Not on the engine the column is measured against: it has no value in it, by design.
+            reference = measured_against(c["column"], study.get("quality_against") or [])
+            theirs = frame[(frame.variant == frame.setting.map(baselines)) & (frame.variant != reference)]
+            if len(theirs):
+                base = condition(c, theirs)
+                result["baseline"] = {"variants": sorted(set(theirs.variant)), "observed": base["observed"],
+                                      "n": base["n"], "pass": base["pass"]}
         conditions.append(result)
     failed = [src for f in mine.values() if "status" in f for src in f[f.status != "ok"].source]
     if failed:

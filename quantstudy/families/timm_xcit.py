@@ -91,13 +91,10 @@ class Classifier(nn.Module):
         qkv = attn.qkv(x).reshape(b, n, 3, attn.num_heads, c // attn.num_heads).permute(2, 0, 3, 4, 1)
         with record_function(ATTENTION_REGION):
             q, k, v = qkv.unbind(0)  # [batch, heads, channels per head, tokens]
+            q, k = nn.functional.normalize(q, dim=-1), nn.functional.normalize(k, dim=-1)
             if attn.fused_attn:
-                q = nn.functional.normalize(q, dim=-1) * attn.temperature
-                k = nn.functional.normalize(k, dim=-1)
-                x = nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0)
+                x = nn.functional.scaled_dot_product_attention(q * attn.temperature, k, v, scale=1.0)
             else:
-                q = nn.functional.normalize(q, dim=-1)
-                k = nn.functional.normalize(k, dim=-1)
                 x = ((q @ k.transpose(-2, -1)) * attn.temperature).softmax(dim=-1) @ v
             x = x.permute(0, 3, 1, 2).reshape(b, n, c)
         return attn.proj(x)
@@ -520,8 +517,8 @@ class TimmXcit:
         Otherwise by the op (a GPU kernel: the op that launched it): torch._scaled_mm is an FP8
         GEMM; a convolution op is a convolution; a GEMM of two activations (both operands of
         rank 3 or more), or scaled dot-product attention, is attention; other GEMMs (a rank-2
-        weight) are fp16 linears. Compiled
-        code and exported graphs keep no regions, hence the ops and then the kernel names.
+        weight) are fp16 linears. Compiled code and exported graphs keep no regions, hence the ops
+        and then the kernel names.
         """
         from quantstudy import timing as qt
 

@@ -72,15 +72,22 @@ def test_the_build_once_run_opened_every_engine_from_its_build_and_measured_one_
             assert json.loads((timing.parent / "quality.json").read_text())["compiled_sha256"] == recorded
 
 
-def test_gpu_cost_sums_each_rules_benchmark_seconds():
-    """benchmarks/gpu_cost.py over the committed run: its per-rule job-seconds are the sums of the
-    TSVs' first column, and each job's opening seconds the sum of its log's `opened` lines."""
+def _gpu_cost():
+    """benchmarks/gpu_cost.py as a module (benchmarks/ is no package)."""
     import importlib.util
-    import re
 
     spec = importlib.util.spec_from_file_location("gpu_cost", ROOT / "benchmarks" / "gpu_cost.py")
     gpu_cost = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_cost)
+    return gpu_cost
+
+
+def test_gpu_cost_sums_each_rules_benchmark_seconds():
+    """benchmarks/gpu_cost.py over the committed run: its per-rule job-seconds are the sums of the
+    TSVs' first column, and each job's opening seconds the sum of its log's `opened` lines."""
+    import re
+
+    gpu_cost = _gpu_cost()
     found = gpu_cost.jobs(BUILD_ONCE, "timm_xcit")
     times = sorted((BUILD_ONCE / "benchmarks").rglob("time.tsv"))
     assert sum(j["seconds"] for j in found if j["rule"] == "time") == pytest.approx(
@@ -94,11 +101,7 @@ def test_gpu_cost_splits_each_rules_openings_into_their_parts(tmp_path):
     """The parts of each opening (TorchBackend.open's log line) summed per rule, with the largest of one
     opening; a job whose log gives no parts (a run from before them) adds none. The largest opening of
     a rule is one opening's (12.4 s), not a job's mean (10.75 s)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_cost", ROOT / "benchmarks" / "gpu_cost.py")
-    gpu_cost = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_cost)
+    gpu_cost = _gpu_cost()
     line = ("INFO quantstudy: opened results/s/t/m/b1/{v}/engine at x [1, 8] in {total} s from compiled.bin "
             "(FX graph cache: 3 hits, 0 misses; weights 0.50 s, artifacts 0.25 s, trace {trace} s, compiler 4.00 s, "
             "calls 0.10 s, capture 1.50 s, waiting 0.00 s; of which compiling 0.00 s, autotuning {tuned} s)\n")

@@ -95,7 +95,7 @@ def test_each_variant_has_one_colour_in_every_study_and_the_ship_region_is_shade
     assert lo < 0.8 and 1.15 < hi < 2
 
 
-def test_the_engine_the_quality_column_is_measured_against_is_listed_not_failed(tmp_path):
+def test_the_engine_the_quality_column_is_measured_against_is_listed_not_failed():
     """Deformable DETR's y is the AP drop against the fp16 engine (`quality_against: [fp16]`); fp16
     has no drop against itself, which is by design, not a failure or a non-finite output."""
     tables = ROOT / "results/h200-deformable-detr/run-2026-12-05/results/deformable_detr/tables.json"

@@ -432,12 +432,14 @@ def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]],
     """Print the summary of the rows of several outputs (a setting in two of them: the row of the run
     that started later), the planned settings that none of them has, and the registered families
     none can cover; return {"rows", "missing", "uncovered"}."""
-    runs = sorted((artifacts.read_json(path, "torch_vs_plain") for path in outputs),
-                  key=lambda out: out["provenance"]["started"])
+    runs = sorted(((path, artifacts.read_json(path, "torch_vs_plain")) for path in outputs),
+                  key=lambda path_out: path_out[1]["provenance"]["started"])
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for out in runs:
+    source: dict[tuple[str, str, str], tuple[Path, dict[str, Any]]] = {}  # each row's output, for its provenance
+    for path, out in runs:
         for row in out["rows"]:
-            rows[(row["model"], row["setting"], row.get("graph", "main"))] = row
+            key = (row["model"], row["setting"], row.get("graph", "main"))
+            rows[key], source[key] = row, (path, out["provenance"])
     missing = [f"{m}/{st}" for _, m, st in planned if (m, st) not in {key[:2] for key in rows}]
     not_covered = uncovered(run)
     found = list(rows.values())
@@ -445,6 +447,10 @@ def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]],
     print(summary_table(found))
     print(f"From {', '.join(map(str, outputs))}. Timed settings of the config in none of them: "
           f"{', '.join(missing) or 'none'}.")
+    # Which call (and so which engines: the commit they were made at) each row comes from.
+    print("\n| row | from | started | workflow commit |\n|---|---|---|---|")
+    for key, (path, prov) in source.items():
+        print(f"| {key[0]}/{_where(rows[key])} | {path.parent} | {prov['started']} | {prov['workflow_commit'][:12]} |")
     print(f"\nWithin {MARGIN - 1:.0%} of plain torch or faster (project / plain at most {MARGIN} for both engines, "
           f"outputs agreeing): {len(found) - len(over)} of {len(found)} rows. Not: {', '.join(over) or 'none'}.")
     for family, why in not_covered.items():

@@ -226,7 +226,8 @@ def test_the_committed_h200_summary_is_the_summary_of_its_calls(bench, capsys, m
     monkeypatch.chdir(ROOT)
     result = bench.main(["--summary", *[str(p.relative_to(ROOT)) for p in H200_CALLS]])
     assert bench.summary_table(result["rows"]) in (H200_OUTPUT / "summary.md").read_text()
-    assert capsys.readouterr().out == (H200_OUTPUT / "summary.md").read_text()
+    printed = capsys.readouterr().out
+    assert printed == (H200_OUTPUT / "summary.md").read_text()
     # deberta-v3-base w256 was timed in the first call and again in calls/3: the later run's row,
     # whatever order the files come in (calls/10 sorts before calls/2).
     backwards = bench.main(["--summary", *[str(p.relative_to(ROOT)) for p in reversed(H200_CALLS)]])
@@ -234,6 +235,9 @@ def test_the_committed_h200_summary_is_the_summary_of_its_calls(bench, capsys, m
     again = [r for r in result["rows"] if (r["model"], r["setting"]) == ("deberta-v3-base", "w256")]
     timed = artifacts.read_json(H200_OUTPUT / "calls" / "3-deberta-base-xcit-nano-b32" / "torch_vs_plain.json", "torch_vs_plain")
     assert again == [r for r in timed["rows"] if (r["model"], r["setting"]) == ("deberta-v3-base", "w256")]
+    # ... and the summary names that call as the row's source, with its start and workflow commit.
+    assert (f"| deberta-v3-base/w256 | {(H200_OUTPUT / 'calls' / '3-deberta-base-xcit-nano-b32').relative_to(ROOT)} | "
+            f"{timed['provenance']['started']} | {timed['provenance']['workflow_commit'][:12]} |") in printed
 
 
 def test_the_summary_of_outputs_names_the_timed_settings_none_of_them_has(bench, tiny_run, capsys):

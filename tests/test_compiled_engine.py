@@ -24,12 +24,13 @@ from quantstudy import backends, config, families, quantization, steps
 from quantstudy.backends import torch_backend
 from quantstudy.families.base import Setting
 
-from conftest import ROOT, observed_amax
+from conftest import ROOT, observed_amax, skip_without_gpu
 
 RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
           "dequantize_dtype": "float16"}
 FP8 = {"precision": "float32", "transforms": [{"fp8": {}}]}
 TARGET = config.Target(name="cpu-torch-compiled", backend="torch", device="cpu", compile=True)
+CUDA_TARGET = dataclasses.replace(TARGET, name="cuda-torch-compiled", device="cuda")
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +62,13 @@ def built(tiny, tmp_path_factory):
     return {"dir": out, "info": info, "outputs": runner({"input_ids": tiny["ids"]})["features"]}
 
 
-def _open_in_a_fresh_process(engine_dir, example_rows: int, tmp_path, opens: int = 1) -> dict:
-    """Open the engine in a new interpreter (nothing compiled in memory), as a measurement job does."""
+def _open_in_a_fresh_process(engine_dir, example_rows: int, tmp_path, opens: int = 1, target: str = "TARGET") -> dict:
+    """Open the engine in a new interpreter (nothing compiled in memory), as a measurement job does, on
+    `target` (this module's TARGET or CUDA_TARGET)."""
     script = textwrap.dedent(f"""
         import json, logging, sys, torch
         sys.path.insert(0, {str(ROOT / 'tests')!r})
-        from test_compiled_engine import RECIPE, FP8, TARGET
+        from test_compiled_engine import RECIPE, FP8, {target} as TARGET
         from quantstudy import backends, config, families, quantization
         from quantstudy.families.base import Setting
         from conftest import observed_amax
@@ -118,6 +120,9 @@ def opened_elsewhere(tiny, built, tmp_path_factory):
 def test_the_build_writes_its_compiled_program(built):
     info = built["info"]
     assert info["compiled"].endswith(torch_backend.COMPILED_FILE) and info["compiled_bytes"] > 0
+    # What the program holds: one compiled graph (one shape); no Triton configs on a CPU.
+    held = info["compiled_artifacts"]
+    assert held["inductor"] == 1 and "autotune" not in held, held
     assert info["shapes"] == [{"input_ids": [2, 32]}]
 
 
@@ -125,6 +130,7 @@ def test_a_fresh_process_opens_it_without_compiling_and_runs_the_same_program(bu
     result = _open_in_a_fresh_process(built["dir"], 2, opened_elsewhere)
     assert "error" not in result, result
     assert "0 misses" in result["log"] and result["open_seconds"] > 0
+    assert f"from {torch_backend.COMPILED_FILE} (artifacts: 1 aot_autograd, 1 inductor; " in result["log"]
     # Three rows on a batch-2 engine: two calls, the second padded; the build's own program gives the same bits.
     assert torch.equal(torch.load(opened_elsewhere / "out.pt", weights_only=True), built["outputs"])
 
@@ -148,6 +154,21 @@ def test_opening_says_where_its_seconds_went(built, opened_elsewhere):
     assert all(first["open_phases"][k] > 0 for k in ("weights", "artifacts", "trace", "compiler")), first
     assert first["open_redone"]["compiling"] > 0 and second["open_redone"]["compiling"] == 0
     assert result["log"].count("; weights ") == 2 and "; of which compiling " in result["log"]
+
+
+@pytest.mark.gpu
+def test_a_gpu_opening_benchmarks_no_triton_config_again(tiny, built, opened_elsewhere):
+    """On a GPU the build benchmarks its Triton kernels' configs once, and its compiled program holds
+    the choices (autotune artifacts): an opening in a fresh process compiles and benchmarks nothing
+    (an opening that does fails its job's audit)."""
+    if not torch.cuda.is_available():
+        skip_without_gpu("needs a CUDA GPU")
+    out = built["dir"].parent / "engine-cuda"  # beside the checkpoint the opening process reads
+    info = backends.get("torch").build(tiny["variant"](), out, CUDA_TARGET, backends.Shapes((tiny["example"],)))
+    result = _open_in_a_fresh_process(out, 2, opened_elsewhere, target="CUDA_TARGET")
+    assert "error" not in result, result
+    assert result["open_redone"] == {"compiling": 0.0, "autotuning": 0.0}, (info["compiled_artifacts"],
+                                                                           result["log"][-3000:])
 
 
 def test_a_shape_the_build_did_not_compile_is_refused(built, opened_elsewhere):

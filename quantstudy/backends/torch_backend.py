@@ -220,10 +220,11 @@ class TorchBackend:
             raise NotBuilt("torch.compile recorded no cache artifacts for the engine")
         atomic_write(out_dir / COMPILED_FILE, saved[0])
         seconds = time.perf_counter() - started
-        log.info("compiled %s at %d shape(s) in %.1f s: %d graphs, %d bytes of cache artifacts", out_dir,
-                 len(shapes.examples), seconds, made["miss"], len(saved[0]))
+        held = _artifact_counts(saved[1])
+        log.info("compiled %s at %d shape(s) in %.1f s: %d graphs, %d bytes of cache artifacts (%s)", out_dir,
+                 len(shapes.examples), seconds, made["miss"], len(saved[0]), _said(held))
         return {**info, "compiled": str(out_dir / COMPILED_FILE), "compiled_bytes": len(saved[0]),
-                "compile_seconds": seconds}
+                "compiled_artifacts": held, "compile_seconds": seconds}
 
     @staticmethod
     def open(out_dir: str | Path, example: Inputs, target, skeleton: nn.Module | None = None) -> "Runner":
@@ -239,7 +240,7 @@ class TorchBackend:
         if not compiled.exists():
             raise NotBuilt(f"{compiled} is missing: the engine was built without compiling; rebuild it")
         with _own_inductor_cache():
-            torch.compiler.load_cache_artifacts(compiled.read_bytes())
+            held = _artifact_counts(torch.compiler.load_cache_artifacts(compiled.read_bytes()))
             artifacts, dynamo = time.perf_counter(), _dynamo_seconds()
             with _fx_graph_cache() as found:
                 runner = Runner(model, example, target.device, compile=True)
@@ -258,8 +259,8 @@ class TorchBackend:
                               "calls": ran - spent["dynamo"] - runner.capture_seconds - runner.waiting_seconds,
                               "capture": runner.capture_seconds, "waiting": runner.waiting_seconds}
         runner.open_redone = {k: spent[k] for k in REDONE}
-        log.info("opened %s at %s in %.1f s from %s (FX graph cache: %d hits, 0 misses; %s; of which %s)", out_dir,
-                 _shape_of(example), runner.open_seconds, compiled.name, found["hit"],
+        log.info("opened %s at %s in %.1f s from %s (%s; FX graph cache: %d hits, 0 misses; %s; of which %s)",
+                 out_dir, _shape_of(example), runner.open_seconds, compiled.name, _said(held), found["hit"],
                  ", ".join(f"{k} {v:.2f} s" for k, v in runner.open_phases.items()),
                  ", ".join(f"{k} {v:.2f} s" for k, v in runner.open_redone.items()))
         return runner
@@ -270,6 +271,16 @@ class TorchBackend:
         from quantstudy import timing
 
         return timing.kernel_profile(runner, calls, classify, regions)
+
+
+def _artifact_counts(info) -> dict[str, int]:
+    """What a compiled program holds, by kind of cache artifact (inductor: compiled graphs; autotune: the
+    Triton configs chosen by benchmarking, which an opening then need not benchmark again)."""
+    return {kind: len(keys) for kind, keys in sorted(info.artifacts.items())} if info is not None else {}
+
+
+def _said(counts: dict[str, int]) -> str:
+    return "artifacts: " + (", ".join(f"{n} {kind}" for kind, n in counts.items()) or "none")
 
 
 def _shape_of(inputs: Inputs) -> str:

@@ -156,6 +156,18 @@ def test_opening_says_where_its_seconds_went(built, opened_elsewhere):
     assert result["log"].count("; weights ") == 2 and "; of which compiling " in result["log"]
 
 
+def test_an_opening_puts_the_autotune_choices_where_the_build_compiled(built, tmp_path):
+    """A compiled Triton kernel (a GPU's; a CPU has none) looks up the build's autotune choice beside
+    its own path in the folder the build compiled in: an opening copies each choice it loaded there."""
+    compiled_in = torch_backend._build_folder(built["dir"])
+    assert any(compiled_in.rglob("*.py")), "the build compiled elsewhere"
+    loaded = tmp_path / "opened"
+    (loaded / "ab").mkdir(parents=True)
+    (loaded / "ab" / "k.best_config").write_text('{"XBLOCK": 128}')
+    torch_backend._place_autotune_choices(loaded, built["dir"])
+    assert (compiled_in / "ab" / "k.best_config").read_text() == '{"XBLOCK": 128}'
+
+
 @pytest.mark.gpu
 def test_a_gpu_opening_benchmarks_no_triton_config_again(tiny, built, opened_elsewhere):
     """On a GPU the build benchmarks its Triton kernels' configs once, and its compiled program holds

@@ -24,6 +24,7 @@ tiny FNet's 11.7 s.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -73,7 +74,8 @@ def _save_weights(model: nn.Module, out_dir: Path) -> dict[str, Any]:
             "weight_dtypes": sorted({str(v.dtype).removeprefix("torch.") for v in state.values()})}
 
 
-# Each process's inductor caches, in a folder named by its pid (_fresh_cache_dir).
+# Each process's inductor caches, in a folder named by its pid (_fresh_cache_dir); each build's, in
+# builds/, in a folder named by its engine's path (_build_folder), kept for its openings.
 CACHE_ROOT = Path(tempfile.gettempdir()) / f"quantstudy-inductor-{os.getuid()}"
 
 
@@ -101,17 +103,37 @@ def _fresh_cache_dir() -> str:
     return tempfile.mkdtemp(dir=mine)
 
 
+def _build_folder(out_dir: str | Path) -> Path:
+    """The folder the build of the engine in `out_dir` compiles in: a path its openings can name too, on
+    any node (from the engine's path). torch keeps each compiled Triton kernel, with its launcher, in the
+    compiled program, and the kernel looks up the build's choice among its configs (an autotune artifact)
+    beside its own path, in the build's folder. An opening loads the artifacts into a folder of its own,
+    where the kernel would not find the choice and would benchmark its configs again: so an opening
+    also puts the choices where the kernels look (_place_autotune_choices)."""
+    return CACHE_ROOT / "builds" / hashlib.sha256(str(Path(out_dir).resolve()).encode()).hexdigest()[:16]
+
+
+def _place_autotune_choices(loaded: Path, out_dir: str | Path) -> None:
+    """Copy the autotune choices an opening loaded (`*.best_config`, by their place in its cache folder)
+    to the same places in the engine's build folder. Openings on one node write the same bytes there,
+    each atomically."""
+    for choice in loaded.glob("*/*.best_config"):
+        atomic_write(_build_folder(out_dir) / choice.relative_to(loaded), choice.read_bytes())
+
+
 @contextlib.contextmanager
-def _own_inductor_cache() -> Iterator[None]:
-    """Inductor's on-disk caches in a fresh folder, and a fresh record of cache artifacts: a build
-    compiles from nothing (all it made is recorded), and an opening job finds only what it loaded."""
+def _own_inductor_cache(folder: Path | None = None) -> Iterator[Path]:
+    """Inductor's on-disk caches in a folder of their own (a fresh one, or `folder`), and a fresh record
+    of cache artifacts: a build compiles from nothing (all it made is recorded), and an opening job finds
+    only what it loaded."""
     from torch.compiler._cache import CacheArtifactManager
 
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _fresh_cache_dir()
+    folder = folder or Path(_fresh_cache_dir())
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     try:
         with CacheArtifactManager.with_fresh_cache():
-            yield
+            yield folder
     finally:
         if before is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
@@ -208,7 +230,10 @@ class TorchBackend:
         # Forget what this process compiled before: dynamo would reuse the code of an earlier module
         # of the same class and shapes, and this build would then compile, and record, nothing.
         torch.compiler.reset()
-        with _own_inductor_cache():
+        folder = _build_folder(out_dir)
+        shutil.rmtree(folder, ignore_errors=True)  # compiled from nothing, as its own record says
+        folder.mkdir(parents=True)
+        with _own_inductor_cache(folder):
             with _fx_graph_cache() as made:
                 for example in shapes.examples:
                     Runner(load(model, out_dir, target.device), example, target.device, compile=True)
@@ -239,8 +264,9 @@ class TorchBackend:
         compiled = Path(out_dir) / COMPILED_FILE
         if not compiled.exists():
             raise NotBuilt(f"{compiled} is missing: the engine was built without compiling; rebuild it")
-        with _own_inductor_cache():
+        with _own_inductor_cache() as folder:
             held = _artifact_counts(torch.compiler.load_cache_artifacts(compiled.read_bytes()))
+            _place_autotune_choices(folder, out_dir)
             artifacts, dynamo = time.perf_counter(), _dynamo_seconds()
             with _fx_graph_cache() as found:
                 runner = Runner(model, example, target.device, compile=True)

@@ -7,9 +7,10 @@ module through torch.compile and times it by CUDA graph replay.
 Build once, measure that build. On a compiling target `build` compiles and autotunes the engine at
 every shape its jobs will run and stores what inductor made as its portable cache artifacts
 (`compiled.bin`, torch.compiler.save_cache_artifacts) beside the weights. A job that opens the engine
-loads those artifacts into a cache of its own and compiles nothing: dynamo traces the module again
-(seconds), and every graph must then be found in the loaded artifacts, or opening fails and names the
-build to rerun. So the timed, the profiled and the evaluated program are the same kernels with the
+loads those artifacts into a cache of its own (and the Triton kernels' autotune choices where those
+kernels look them up: _build_folder) and compiles nothing: dynamo traces the module again (seconds),
+and every graph must then be found in the loaded artifacts, or opening fails and names the build to
+rerun. So the timed, the profiled and the evaluated program are the same kernels with the
 same autotuning choices. What keys a compiled graph includes process settings the build and every
 job set alike (steps.job_settings; on a CPU, inductor's code depends on the intra-op thread count),
 and the compile options (INDUCTOR_OPTIONS).

@@ -248,12 +248,17 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
     def opens(engine: str) -> bool:  # a compile worker opens its own engine alone
         return args.open_only in (None, engine)
 
+    project = {}  # each project engine: the build it was opened from, its files' sha256, the opening
     for v in (baseline, candidate):
         if opens(f"project {v}"):
             with fx_graph_cache() as cache:
                 runners[f"project {v}"] = steps.open_engines(family, builds[v], study.recipe, ckpt, st, target,
                                                              [graph])[graph]
             done(f"project {v}{on}: open (compile, capture{cache})")
+            opened, engine = runners[f"project {v}"], builds[v]["graphs"][graph]
+            project[v] = {"build": study.build_json(target.name, model, setting, v),
+                          **{k: engine[k] for k in ("engine_sha256", "compiled_sha256") if k in engine},
+                          "open_seconds": opened.open_seconds, "open_redone": opened.open_redone}
         if opens(f"plain {v}"):
             module = plain.model(family, snapshot, st, builds[v], target.device, graph)
             fp8_layers[v] = {"project": len(builds[v]["fp8_layers"]),
@@ -289,6 +294,7 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
               for impl in ("project", "plain")},
         "check": result_check,
         "fp8_layers": fp8_layers,
+        "project_engines": project,
         "fp8_gemm_calls_per_forward": {impl: p["calls_per_forward"] for impl, p in fp8.items()},
         "fp8_kernels": {impl: p["kernels"] for impl, p in fp8.items()},
     }

@@ -49,8 +49,13 @@ def test_the_project_engines_are_the_workflows_builds(tiny_run, checkout):
         served = {"800x1067": "800x800"}.get(row["setting"], row["setting"])
         for v in (row["baseline"], row["candidate"]):
             build = checkout / "results" / row["study"] / "cpu-torch" / row["model"] / served / v / "build.json"
-            assert artifacts.read_json(build, "build")["status"] == "ok"
+            made = artifacts.read_json(build, "build")
+            assert made["status"] == "ok"
             assert (checkout / "logs" / row["study"] / "cpu-torch" / row["model"] / served / v / "build.log").exists()
+            # The row names that build and the engine file it opened (on this CPU target: not compiled).
+            opened = row["project_engines"][v]
+            assert checkout / opened["build"] == build and "compiled_sha256" not in opened
+            assert opened["engine_sha256"] == artifacts.sha256_file(checkout / made["graphs"][row["graph"]]["engine"])
 
 
 def test_project_and_plain_compute_the_same_outputs(tiny_run):

@@ -42,7 +42,7 @@ sm="python3 -m snakemake --configfile config/h200.yaml ${CALL:-} --cores 16 --ke
 pass1() { $sm results/$1/README.md results/$1/audit.json --omit-from time profile >> $ev/snakemake-$1-1.txt 2>&1; }
 pass2() { $sm --cores 10 results/$1/README.md results/$1/audit.json >> $ev/snakemake-$1-2.txt 2>&1; }
 gputests() {
-  QUANTSTUDY_REQUIRE_GPU=1 python3 -m pytest ${GPUTEST_ARGS:-tests/test_gpu.py tests/test_backends.py} -q -rs \
+  QUANTSTUDY_REQUIRE_GPU=1 python3 -m pytest ${GPUTEST_ARGS:-tests/test_gpu.py tests/test_backends.py tests/test_compiled_engine.py} -q -rs \
     -p no:cacheprovider -p no:warnings > $ev/pytest.txt 2>&1
   echo "pytest exit status $?" >> $ev/pytest.txt
 }

@@ -118,8 +118,9 @@ def _place_autotune_choices(loaded: Path, out_dir: str | Path) -> None:
     """Copy the autotune choices an opening loaded (`*.best_config`, by their place in its cache folder)
     to the same places in the engine's build folder. Openings on one node write the same bytes there,
     each atomically."""
+    build = _build_folder(out_dir)
     for choice in loaded.glob("*/*.best_config"):
-        atomic_write(_build_folder(out_dir) / choice.relative_to(loaded), choice.read_bytes())
+        atomic_write(build / choice.relative_to(loaded), choice.read_bytes())
 
 
 @contextlib.contextmanager

@@ -161,11 +161,27 @@ def test_an_opening_puts_the_autotune_choices_where_the_build_compiled(built, tm
     its own path in the folder the build compiled in: an opening copies each choice it loaded there."""
     compiled_in = torch_backend._build_folder(built["dir"])
     assert any(compiled_in.rglob("*.py")), "the build compiled elsewhere"
+    assert (compiled_in / "engine").read_text() == str(built["dir"].resolve())
     loaded = tmp_path / "opened"
     (loaded / "ab").mkdir(parents=True)
     (loaded / "ab" / "k.best_config").write_text('{"XBLOCK": 128}')
     torch_backend._place_autotune_choices(loaded, built["dir"])
     assert (compiled_in / "ab" / "k.best_config").read_text() == '{"XBLOCK": 128}'
+
+
+def test_a_build_removes_the_build_folders_of_engines_that_are_gone(tmp_path):
+    for name in ("kept", "gone", "unnamed", "another"):
+        (tmp_path / name).mkdir()  # a build makes its engine's folder first
+    kept, gone, unnamed = (torch_backend._new_build_folder(tmp_path / name) for name in ("kept", "gone", "unnamed"))
+    (unnamed / "engine").unlink()  # as a folder an opening on another node made: it names no engine
+    (tmp_path / "unnamed").rmdir()
+    torch_backend._new_build_folder(tmp_path / "another")
+    assert kept.is_dir() and gone.is_dir() and unnamed.is_dir()
+    (tmp_path / "gone").rmdir()
+    torch_backend._new_build_folder(tmp_path / "another")
+    assert kept.is_dir() and not gone.exists() and unnamed.is_dir()
+    for folder in (kept, unnamed, torch_backend._build_folder(tmp_path / "another")):
+        shutil.rmtree(folder)
 
 
 @pytest.mark.gpu

@@ -76,7 +76,8 @@ def _save_weights(model: nn.Module, out_dir: Path) -> dict[str, Any]:
 
 
 # Each process's inductor caches, in a folder named by its pid (_fresh_cache_dir); each build's, in
-# builds/, in a folder named by its engine's path (_build_folder), kept for its openings.
+# builds/, in a folder named by its engine's path (_build_folder), kept for its openings while the
+# engine exists (_new_build_folder).
 CACHE_ROOT = Path(tempfile.gettempdir()) / f"quantstudy-inductor-{os.getuid()}"
 
 
@@ -112,6 +113,21 @@ def _build_folder(out_dir: str | Path) -> Path:
     where the kernel would not find the choice and would benchmark its configs again: so an opening
     also puts the choices where the kernels look (_place_autotune_choices)."""
     return CACHE_ROOT / "builds" / hashlib.sha256(str(Path(out_dir).resolve()).encode()).hexdigest()[:16]
+
+
+def _new_build_folder(out_dir: Path) -> Path:
+    """An empty build folder for the engine in `out_dir`, which names its engine (a file `engine`); and
+    the build folders of engines that are gone are removed (a build folder outlives its job: the
+    engine's openings use it)."""
+    for named in (CACHE_ROOT / "builds").glob("*/engine"):
+        with contextlib.suppress(FileNotFoundError):  # another build removing it too
+            if not Path(named.read_text()).exists():
+                shutil.rmtree(named.parent, ignore_errors=True)
+    folder = _build_folder(out_dir)
+    shutil.rmtree(folder, ignore_errors=True)  # compiled from nothing, as its build's record says
+    folder.mkdir(parents=True)
+    (folder / "engine").write_text(str(out_dir.resolve()))
+    return folder
 
 
 def _place_autotune_choices(loaded: Path, out_dir: str | Path) -> None:
@@ -232,10 +248,7 @@ class TorchBackend:
         # Forget what this process compiled before: dynamo would reuse the code of an earlier module
         # of the same class and shapes, and this build would then compile, and record, nothing.
         torch.compiler.reset()
-        folder = _build_folder(out_dir)
-        shutil.rmtree(folder, ignore_errors=True)  # compiled from nothing, as its own record says
-        folder.mkdir(parents=True)
-        with _own_inductor_cache(folder):
+        with _own_inductor_cache(_new_build_folder(out_dir)):
             with _fx_graph_cache() as made:
                 for example in shapes.examples:
                     Runner(load(model, out_dir, target.device), example, target.device, compile=True)

@@ -456,7 +456,9 @@ def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]],
     # Which call (and so which engines: the commit they were made at) each row comes from.
     print("\n| row | from | started | workflow commit |\n|---|---|---|---|")
     for key, (path, prov) in source.items():
-        print(f"| {key[0]}/{_where(rows[key])} | {path.parent} | {prov['started']} | {prov['workflow_commit'][:12]} |")
+        commit = prov["workflow_commit"]  # "<sha>-dirty": the working tree had changes
+        short = commit[:12] + ("-dirty" if commit.endswith("-dirty") else "")
+        print(f"| {key[0]}/{_where(rows[key])} | {path.parent} | {prov['started']} | {short} |")
     print(f"\nWithin {MARGIN - 1:.0%} of plain torch or faster (project / plain at most {MARGIN} for both engines, "
           f"outputs agreeing): {len(found) - len(over)} of {len(found)} rows. Not: {', '.join(over) or 'none'}.")
     for family, why in not_covered.items():

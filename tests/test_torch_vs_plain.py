@@ -233,16 +233,18 @@ def test_the_committed_h200_summary_is_the_summary_of_its_calls(bench, capsys, m
     assert bench.summary_table(result["rows"]) in (H200_OUTPUT / "summary.md").read_text()
     printed = capsys.readouterr().out
     assert printed == (H200_OUTPUT / "summary.md").read_text()
-    # deberta-v3-base w256 was timed in the first call and again in calls/3: the later run's row,
-    # whatever order the files come in (calls/10 sorts before calls/2).
+    # deberta-v3-base w256 was timed in the first call, in calls/3 and again in calls/20: the latest
+    # run's row, whatever order the files come in (calls/20 sorts before calls/3).
     backwards = bench.main(["--summary", *[str(p.relative_to(ROOT)) for p in reversed(H200_CALLS)]])
     assert backwards["rows"] == result["rows"]
     again = [r for r in result["rows"] if (r["model"], r["setting"]) == ("deberta-v3-base", "w256")]
-    timed = artifacts.read_json(H200_OUTPUT / "calls" / "3-deberta-base-xcit-nano-b32" / "torch_vs_plain.json", "torch_vs_plain")
+    timed = artifacts.read_json(H200_OUTPUT / "calls" / "20-deberta-base" / "torch_vs_plain.json", "torch_vs_plain")
     assert again == [r for r in timed["rows"] if (r["model"], r["setting"]) == ("deberta-v3-base", "w256")]
-    # ... and the summary names that call as the row's source, with its start and workflow commit.
-    assert (f"| deberta-v3-base/w256 | {(H200_OUTPUT / 'calls' / '3-deberta-base-xcit-nano-b32').relative_to(ROOT)} | "
-            f"{timed['provenance']['started']} | {timed['provenance']['workflow_commit'][:12]} |") in printed
+    # ... and the summary names that call as the row's source, with its start and workflow commit (its
+    # working tree had changes: the commit's mark says so).
+    assert timed["provenance"]["workflow_commit"] == "8c1ac7c8bcfcd963caf6c30d5b2a4f5c13ee23ef-dirty"
+    assert (f"| deberta-v3-base/w256 | {(H200_OUTPUT / 'calls' / '20-deberta-base').relative_to(ROOT)} | "
+            f"{timed['provenance']['started']} | 8c1ac7c8bcfc-dirty |") in printed
 
 
 def test_the_summary_of_outputs_names_the_timed_settings_none_of_them_has(bench, tiny_run, capsys):

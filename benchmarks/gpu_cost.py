@@ -9,7 +9,8 @@ which the torch backend writes when it opens an engine from its build's compiled
 a run from before that (or a backend that logs no such line) shows its opening seconds as `-`. Where
 those lines give the opening's parts (weights, artifacts, trace, compiler, calls, capture, waiting:
 TorchBackend.open) and the work it redid (compiling, autotuning), each rule's seconds in each, and
-the largest of one opening, are printed too.
+the largest of one opening, are printed too. Where the logs give a measurement's wait for its turn
+on the GPU alone (timing.gpu_turn: until other jobs' GPU work ends), each rule's waits are printed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ GPU_RULES = ("reference", "calibrate", "build", "time", "profile", "gemm", "eval
 MEASUREMENT_RULES = ("time", "profile", "gemm", "evaluate")
 OPENED = re.compile(r" opened \S+ at .* in ([0-9.]+) s from .*")
 PHASE = re.compile(r"(\w+) (-?[0-9.]+) s")  # a part of an opening in its `opened` line: "trace 3.21 s"
+TURN = re.compile(r" GPU turn alone after waiting ([0-9.]+) s")
 
 
 def rule_of(tsv: Path) -> str:
@@ -42,14 +44,16 @@ def jobs(run: Path, study: str | None = None) -> list[dict]:
         seconds = float(lines[1].split("\t")[0])
         key = tsv.relative_to(run / "benchmarks").with_suffix("")
         log = run / "logs" / key.with_suffix(".log")
-        lines = list(OPENED.finditer(log.read_text(errors="replace"))) if log.exists() else []
+        text = log.read_text(errors="replace") if log.exists() else ""
+        lines = list(OPENED.finditer(text))
         opened = [float(m.group(1)) for m in lines]
         # "...0 misses; weights 0.50 s, ..., waiting 0.00 s; of which compiling 0.00 s, autotuning 0.00 s)"
         parts = [m.group(0).partition("misses; ")[2].partition("; of which ") for m in lines]
         found.append({"rule": rule_of(tsv), "key": str(key), "seconds": seconds, "opens": len(opened),
                       "open_seconds": sum(opened) if opened else None, "openings": opened,
                       "open_phases": [_seconds(p[0]) | {f"{k} (redone)": v for k, v in _seconds(p[2]).items()}
-                                      for p in parts if p[0]]})
+                                      for p in parts if p[0]],
+                      "turn_waits": [float(w) for w in TURN.findall(text)]})
     return found
 
 
@@ -74,6 +78,20 @@ def phase_report(found: list[dict]) -> list[str]:
     return lines
 
 
+def wait_report(found: list[dict]) -> list[str]:
+    """Each measurement rule's waits for its turns on the GPU alone: how many, their sum and the longest.
+    Empty where no log gives them (a run from before them, or a CPU run)."""
+    if not any(j["turn_waits"] for j in found):
+        return []
+    lines = ["", "waiting for the GPU alone (a measurement's turn, until other jobs' GPU work ended)",
+             f"{'rule':<10} {'turns':>5} {'seconds':>8} {'longest':>8}"]
+    for rule in MEASUREMENT_RULES:
+        waits = [w for j in found if j["rule"] == rule for w in j["turn_waits"]]
+        if waits:
+            lines.append(f"{rule:<10} {len(waits):>5} {sum(waits):>8.1f} {max(waits):>8.1f}")
+    return lines
+
+
 def report(found: list[dict]) -> str:
     by_rule: dict[str, list[dict]] = defaultdict(list)
     for j in found:
@@ -94,6 +112,7 @@ def report(found: list[dict]) -> str:
                      f"  {(f'{most:.1f}' if most is not None else '-'):>8}")
     lines.append(f"GPU rules, all jobs: {total:.1f} job-seconds")
     lines += phase_report(found)
+    lines += wait_report(found)
     lines.append("")
     lines.append("measurement jobs: seconds opening engines / whole job")
     for j in found:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import math
 import statistics
 import tempfile
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from quantstudy.artifacts import file_lock
+
+log = logging.getLogger("quantstudy")
 
 
 def time_interleaved(runners: dict[str, Any], warmup: int, rounds: int, calls: int,
@@ -143,13 +146,16 @@ def gpu_turn(lock: Path, shared: bool = False):
     Reentrant within a process: a turn inside a turn of the same process is already held (a shared
     turn inside evaluate's holds for the runner's capture). Taking it again would deadlock as soon as
     a measurement waits at the gate: it waits for this process to let go, and this process for it.
-    A measurement inside shared work is refused, as it would run beside that work."""
+    A measurement inside shared work is refused, as it would run beside that work. A measurement's
+    turn logs how long it waited (benchmarks/gpu_cost.py reads it): time in a measurement job that is
+    neither opening nor measuring."""
     if lock in _TURNS_HELD:
         if _TURNS_HELD[lock] and not shared:
             raise RuntimeError(f"a measurement inside shared GPU work ({lock}): take the alone turn outside it")
         yield
         return
     gate = lock.with_suffix(".gate")
+    asked = time.monotonic()
     if shared:
         with file_lock(gate, fcntl.LOCK_SH):
             pass
@@ -159,6 +165,8 @@ def gpu_turn(lock: Path, shared: bool = False):
             if not shared:
                 held.enter_context(file_lock(gate, fcntl.LOCK_EX))
             held.enter_context(file_lock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX))
+            if not shared:
+                log.info("GPU turn alone after waiting %.2f s for other GPU work to end", time.monotonic() - asked)
             yield
     finally:
         del _TURNS_HELD[lock]

@@ -121,3 +121,22 @@ def test_gpu_cost_splits_each_rules_openings_into_their_parts(tmp_path):
         "time", "2", "1.0", "[0.5]", "0.5", "[0.2]", "8.8", "[6.0]", "8.0", "[4.0]", "0.2", "[0.1]", "3.0", "[1.5]",
         "0.0", "[0.0]", "0.0", "[0.0]", "0.3", "[0.3]"]
     assert "time 2 60.0 26.5 33.5 12.4".split() == next(r for r in report.splitlines() if r.startswith("time")).split()
+
+
+def test_gpu_cost_sums_each_rules_waits_for_the_gpu_alone(tmp_path):
+    """The waits of measurements' turns (timing.gpu_turn's log lines) per rule: count, sum, longest; none
+    printed for a run whose logs have no such line."""
+    gpu_cost = _gpu_cost()
+    waited = "INFO quantstudy: GPU turn alone after waiting {} s for other GPU work to end\n"
+    for job, text in {"a/gemm": waited.format("98.20") + waited.format("0.01") + waited.format("2.40"),
+                      "b/time": waited.format("0.30"), "c/time": "INFO quantstudy: something else\n"}.items():
+        (tmp_path / "benchmarks" / job).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "benchmarks" / f"{job}.tsv").write_text("s\th:m:s\n120.0\t0:02:00\n")
+        (tmp_path / "logs" / job).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "logs" / f"{job}.log").write_text(text)
+    waits = gpu_cost.report(gpu_cost.jobs(tmp_path)).partition("waiting for the GPU alone")[2].split("\n\n")[0]
+    assert [r.split() for r in waits.splitlines()[1:]] == [["rule", "turns", "seconds", "longest"],
+                                                           ["time", "1", "0.3", "0.3"], ["gemm", "3", "100.6", "98.2"]]
+    (tmp_path / "logs" / "a" / "gemm.log").write_text("")
+    (tmp_path / "logs" / "b" / "time.log").write_text("")
+    assert "waiting for the GPU alone" not in gpu_cost.report(gpu_cost.jobs(tmp_path))

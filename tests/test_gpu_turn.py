@@ -5,7 +5,9 @@ again without waiting (a runner's capture inside evaluate's shared turn)."""
 from __future__ import annotations
 
 import fcntl
+import logging
 import multiprocessing
+import re
 import time
 
 import pytest
@@ -72,3 +74,26 @@ def test_a_measurement_inside_shared_work_is_refused(tmp_path):
     with gpu_turn(lock):  # refused without leaving the turn marked as held
         with gpu_turn(lock, shared=True):
             pass
+
+
+def _hold_shared(lock, inside, seconds):
+    with gpu_turn(lock, shared=True):
+        inside.set()
+        time.sleep(seconds)
+
+
+def test_a_measurement_logs_how_long_it_waited_for_its_turn(tmp_path, caplog):
+    """benchmarks/gpu_cost.py reads the wait of each measurement's turn from the job's log."""
+    lock = tmp_path / "gpu.lock"
+    with caplog.at_level(logging.INFO, logger="quantstudy"):
+        with gpu_turn(lock):
+            pass
+        inside = FORK.Event()
+        work = FORK.Process(target=_hold_shared, args=(lock, inside, 1.5))
+        work.start()
+        assert inside.wait(10)
+        with gpu_turn(lock):
+            pass
+        work.join(10)
+    waits = [float(m) for m in re.findall(r"GPU turn alone after waiting ([0-9.]+) s", caplog.text)]
+    assert len(waits) == 2 and waits[0] < 0.5 and 1.0 < waits[1] < 5, caplog.text

@@ -126,7 +126,7 @@ def _new_build_folder(out_dir: Path) -> Path:
     folder = _build_folder(out_dir)
     shutil.rmtree(folder, ignore_errors=True)  # compiled from nothing, as its build's record says
     folder.mkdir(parents=True)
-    (folder / "engine").write_text(str(out_dir.resolve()))
+    atomic_write(folder / "engine", str(out_dir.resolve()))  # another build reads it to decide on removing
     return folder
 
 

@@ -156,6 +156,23 @@ def redone_problems(path: str, doc: dict[str, Any]) -> list[str]:
             for name, kinds in sorted(redone.items()) for kind, s in kinds.items() if s > 0]
 
 
+def card_problems(path: str, doc: dict[str, Any]) -> list[str]:
+    """A job of a GPU target that ran on another card than the one its target declares (`gpu:`): the
+    README says its numbers are that card's."""
+    from quantstudy.config import is_card
+
+    prov = doc.get("provenance") or {}
+    target = (prov.get("params") or {}).get("target")
+    if not isinstance(target, dict) or target.get("device", "cpu") == "cpu":
+        return []
+    name, gpu = target.get("target") or target.get("name"), target.get("gpu", "cpu")  # rule params, or a Target
+    ran_on = prov.get("hardware", {}).get("gpu") or "no GPU"
+    if is_card(gpu, ran_on):
+        return []
+    return [f"{path}: ran on {ran_on}, but its target {name} declares gpu {gpu}: its numbers are not that "
+            f"card's; rerun it on an {gpu}, or declare the card it ran on in the run config"]
+
+
 def redrawn_problems(path: str, doc: dict[str, Any], family: str) -> list[str]:
     """A sample list drawn again (steps.draw_samples) from the files of the snapshot it records, at the
     pinned revision: where an id or a sample's content differs from the list, or none."""
@@ -238,7 +255,7 @@ def check_chain(tables_json: str | Path) -> dict[str, Any]:
     for path, doc in read:
         if doc.get("schema") == "timing":
             problems += timing_problems(path, doc)
-        problems += redone_problems(path, doc)
+        problems += redone_problems(path, doc) + card_problems(path, doc)
     if not problems:  # aggregate reads every input: with one damaged, the chain's problems say which
         problems += rederived_problems(tables_json, tables)
     for path, doc in read:

@@ -12,6 +12,7 @@ import fnmatch
 import hashlib
 import importlib.metadata
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,12 @@ class Variant:
 
     def has_fp8(self, setting: Setting) -> bool:
         return any(name == "fp8" for name, _ in self.transforms_at(setting))
+
+
+def is_card(gpu: str, name: str) -> bool:
+    """Whether a GPU named `name` (torch.cuda.get_device_name, e.g. "NVIDIA H200") is the card a target
+    declares (`gpu: h200`): that word in the name, so "NVIDIA H100 80GB HBM3" is no h200."""
+    return re.search(rf"(?<![a-z0-9]){re.escape(gpu.lower())}(?![a-z0-9])", name.lower()) is not None
 
 
 @dataclass(frozen=True)

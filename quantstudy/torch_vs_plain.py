@@ -453,12 +453,14 @@ def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]],
     print(summary_table(found))
     print(f"From {', '.join(map(str, outputs))}. Timed settings of the config in none of them: "
           f"{', '.join(missing) or 'none'}.")
-    # Which call (and so which engines: the commit they were made at) each row comes from.
-    print("\n| row | from | started | workflow commit |\n|---|---|---|---|")
+    # Which call (and so which engines: the commit they were made at, and which GPU) each row comes from:
+    # a row's ratios compare engines timed in one call, on one card.
+    print("\n| row | from | started | workflow commit | device |\n|---|---|---|---|---|")
     for key, (path, prov) in source.items():
         commit = prov["workflow_commit"]  # "<sha>-dirty": the working tree had changes
         short = commit[:12] + ("-dirty" if commit.endswith("-dirty") else "")
-        print(f"| {key[0]}/{_where(rows[key])} | {path.parent} | {prov['started']} | {short} |")
+        device = prov["hardware"].get("gpu") or "CPU"
+        print(f"| {key[0]}/{_where(rows[key])} | {path.parent} | {prov['started']} | {short} | {device} |")
     print(f"\nWithin {MARGIN - 1:.0%} of plain torch or faster (project / plain at most {MARGIN} for both engines, "
           f"outputs agreeing): {len(found) - len(over)} of {len(found)} rows. Not: {', '.join(over) or 'none'}.")
     for family, why in not_covered.items():

@@ -115,3 +115,43 @@ def test_an_opening_that_redid_its_builds_work_is_a_problem():
     for clean in ({"schema": "quality", "open_redone": {"main": {"compiling": 0.0, "autotuning": 0.0}}},
                   {"schema": "quality", "open_redone": {}}, {"schema": "quality"}):
         assert audit.redone_problems("q.json", clean) == []
+
+
+def test_a_job_on_another_card_than_its_targets_is_a_problem():
+    """The committed XCiT runs: on 2026-12-04 its timing jobs ran on the H200 the target declares; on
+    2026-12-05 the same config's jobs ran on an H100, which the README still called an h200."""
+    import json
+
+    from conftest import ROOT
+
+    job = "results/timm_xcit/h200-torch/xcit-tiny/b1/fp8/timing.json"
+    on_h200 = json.loads((ROOT / "results/h200-build-once/xcit" / job).read_text())
+    on_h100 = json.loads((ROOT / "results/h200-build-once/xcit-h100" / job).read_text())
+    assert audit.card_problems(job, on_h200) == []
+    assert audit.card_problems(job, on_h100) == [
+        f"{job}: ran on NVIDIA H100 80GB HBM3, but its target h200-torch declares gpu h200: its numbers are not "
+        "that card's; rerun it on an h200, or declare the card it ran on in the run config"]
+    # A CPU target's job, and a job of no target (a reference), name no card.
+    on_cpu = copy.deepcopy(on_h100)
+    on_cpu["provenance"]["params"]["target"]["device"] = "cpu"
+    assert audit.card_problems(job, on_cpu) == []
+    reference = copy.deepcopy(on_h100)
+    del reference["provenance"]["params"]["target"]
+    assert audit.card_problems(job, reference) == []
+
+
+def test_the_audit_of_a_study_run_on_another_card_names_every_job_of_it(monkeypatch):
+    """check_chain over the committed H100 run's files (engines and weights are not committed, so those
+    are missing too): each of its 40 GPU jobs (8 builds with their 8 records, 8 time, 8 profile,
+    4 evaluate, 4 gemm) is a problem; the H200 run's, none."""
+    from conftest import ROOT
+
+    found = {}
+    for run in ("xcit", "xcit-h100"):
+        monkeypatch.chdir(ROOT / "results/h200-build-once" / run)
+        problems = audit.check_chain("results/timm_xcit/tables.json")["problems"]
+        found[run] = sorted(p.split(": ")[0] for p in problems if "but its target h200-torch declares gpu h200" in p)
+    assert found["xcit"] == []
+    assert len(found["xcit-h100"]) == 40
+    assert {p.rsplit("/", 1)[1] for p in found["xcit-h100"]} == {
+        "build.json", "measurements.json", "timing.json", "kernels.json", "quality.json", "gemm.json"}

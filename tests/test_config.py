@@ -335,6 +335,26 @@ def test_a_run_config_names_its_studies_and_targets_as_they_are(tmp_path):
         qc.load_run(run, against_code=False)
 
 
+def test_a_gpu_target_names_its_card():
+    """A cuda target without `gpu:` is refused before any job: the README names the card, the audit checks it."""
+    run = yaml.safe_load((ROOT / "config/h200.yaml").read_text())
+    del run["targets"]["h200-torch"]["gpu"]
+    with pytest.raises(qc.ConfigError, match=re.escape("targets.h200-torch: 'gpu' is a required property")):
+        qc.load_run(run, against_code=False)
+    run["targets"]["h200-torch"]["gpu"] = "H200 SXM"
+    with pytest.raises(qc.ConfigError, match=re.escape("targets.h200-torch.gpu: 'H200 SXM' does not match")):
+        qc.load_run(run, against_code=False)
+
+
+@pytest.mark.parametrize("gpu, name, same", [
+    ("h200", "NVIDIA H200", True), ("h200", "NVIDIA H200 NVL", True), ("b200", "NVIDIA B200", True),
+    ("h200", "NVIDIA H100 80GB HBM3", False), ("h100", "NVIDIA H100 80GB HBM3", True),
+    ("b200", "NVIDIA GB200", False), ("h20", "NVIDIA H200", False), ("h200", "no GPU", False),
+])
+def test_a_target_knows_its_card_by_the_word_in_the_gpus_name(gpu, name, same):
+    assert qc.is_card(gpu, name) is same
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c.update(column="mlm.top1_agrement"), "column 'mlm.top1_agrement' is no column of the quality table; "
                                                      "did you mean mlm.top1_agreement"),

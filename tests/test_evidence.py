@@ -48,28 +48,41 @@ def test_there_is_evidence():
 
 
 BUILD_ONCE = ROOT / "results" / "h200-build-once" / "xcit"
+# The same study after the autotune fix (4ec7401), on an H100: its jobs record what an opening redid.
+BUILD_ONCE_AFTER_FIX = ROOT / "results" / "h200-build-once" / "xcit-h100"
 
 
-def test_the_build_once_run_opened_every_engine_from_its_build_and_measured_one_program():
+@pytest.mark.parametrize("run", [BUILD_ONCE, BUILD_ONCE_AFTER_FIX], ids=lambda p: p.name)
+def test_the_build_once_run_opened_every_engine_from_its_build_and_measured_one_program(run: Path):
     """results/h200-build-once/: every torch measurement job logged opening each engine from its
     build's compiled program with no graph compiled, in at most 15 s an engine; each variant's timing
     and evaluation named the same compiled program, the one its build.json records."""
     import re
 
-    logs = sorted((BUILD_ONCE / "logs").rglob("*.log"))
+    logs = sorted((run / "logs").rglob("*.log"))
     measured = [p for p in logs if p.stem in ("time", "profile", "evaluate")]
     assert len(measured) == 20
     for log in measured:
-        opens = re.findall(r"opened \S+ at .* in ([0-9.]+) s from compiled.bin \(FX graph cache: (\d+) hits, 0 misses\)",
+        opens = re.findall(r"opened \S+ at .* in ([0-9.]+) s from compiled.bin \((?:artifacts: [^;]*; )?FX graph cache: "
+                           r"(\d+) hits, 0 misses[;)]",
                            log.read_text())
         # A baseline's time job opened its one engine twice (since once): the second reused the first's code.
         assert opens and all(float(s) <= 15 for s, _ in opens) and int(opens[0][1]) >= 1, log
-    for timing in sorted((BUILD_ONCE / "results").rglob("timing.json")):
+    timings = sorted((run / "results").rglob("timing.json"))
+    assert len(timings) == 8
+    for timing in timings:
         build = json.loads((timing.parent / "build.json").read_text())
         recorded = {g: e["compiled_sha256"] for g, e in build["graphs"].items()}
         assert json.loads(timing.read_text())["compiled_sha256"] == recorded
         if (timing.parent / "quality.json").exists():
             assert json.loads((timing.parent / "quality.json").read_text())["compiled_sha256"] == recorded
+    if run == BUILD_ONCE_AFTER_FIX:  # no opening compiled or autotuned anything again
+        from quantstudy import audit
+
+        jobs = [p for name in ("timing.json", "kernels.json", "quality.json") for p in (run / "results").rglob(name)]
+        assert len(jobs) == 20
+        assert all("open_redone" in json.loads(p.read_text()) for p in jobs)
+        assert [problem for p in jobs for problem in audit.redone_problems(str(p), json.loads(p.read_text()))] == []
 
 
 def _gpu_cost():

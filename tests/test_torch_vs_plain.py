@@ -244,7 +244,10 @@ def test_the_committed_h200_summary_is_the_summary_of_its_calls(bench, capsys, m
     # working tree had changes: the commit's mark says so).
     assert timed["provenance"]["workflow_commit"] == "8c1ac7c8bcfcd963caf6c30d5b2a4f5c13ee23ef-dirty"
     assert (f"| deberta-v3-base/w256 | {(H200_OUTPUT / 'calls' / '20-deberta-base').relative_to(ROOT)} | "
-            f"{timed['provenance']['started']} | 8c1ac7c8bcfc-dirty |") in printed
+            f"{timed['provenance']['started']} | 8c1ac7c8bcfc-dirty | NVIDIA H200 |") in printed
+    # A row timed on another card names it: Deformable DETR 800x1067 was last timed on an H100.
+    assert ("| deformable-detr/800x1067 | results/h200-torch-vs-plain/calls/21-detr-800x1067-h100 | "
+            "2026-12-05T15:37:27.311+00:00 | 3036efdc8322 | NVIDIA H100 80GB HBM3 |") in printed
 
 
 def test_the_summary_of_outputs_names_the_timed_settings_none_of_them_has(bench, tiny_run, capsys):

@@ -81,6 +81,12 @@ def hardware() -> dict[str, Any]:
     return info
 
 
+def gpu_name(hardware_doc: dict[str, Any]) -> str | None:
+    """The GPU a job ran on, as its provenance's `hardware` records it: the driver's name, else torch's;
+    None for a job that saw no GPU."""
+    return hardware_doc.get("gpu_system", {}).get("name") or hardware_doc.get("gpu")
+
+
 def gpu_system(uuid: str | None = None) -> dict[str, Any]:
     """The job's GPU as the driver describes it (`nvidia-smi -q -x`): model, driver, CUDA, clocks
     now and at most, power limit, and the clock event (throttle) reasons active at this moment.

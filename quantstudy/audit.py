@@ -166,7 +166,7 @@ def card_problems(path: str, doc: dict[str, Any]) -> list[str]:
     if not isinstance(target, dict) or target.get("device", "cpu") == "cpu":
         return []
     name, gpu = target.get("target") or target.get("name"), target.get("gpu", "cpu")  # rule params, or a Target
-    ran_on = prov.get("hardware", {}).get("gpu") or "no GPU"
+    ran_on = artifacts.gpu_name(prov.get("hardware", {})) or "no GPU"
     if is_card(gpu, ran_on):
         return []
     return [f"{path}: ran on {ran_on}, but its target {name} declares gpu {gpu}: its numbers are not that "
@@ -341,7 +341,7 @@ def _describe(step: dict[str, Any]) -> str:
     line = f"{pad}{step['path']}"
     if step.get("rule"):
         hw = step["hardware"]
-        gpu = hw.get("gpu_system", {}).get("name") or hw.get("gpu") or f"CPU ({hw.get('cpus')} cores, {hw.get('host')})"
+        gpu = artifacts.gpu_name(hw) or f"CPU ({hw.get('cpus')} cores, {hw.get('host')})"
         soft = ", ".join(f"{k} {v}" for k, v in step["software"].items() if k in ("torch", "transformers", "onnxruntime",
                                                                                   "tensorrt", "nvidia-modelopt"))
         line += (f"\n{pad}  rule {step['rule']}, {step['started']} to {step['finished']}, commit {step['commit']}"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from quantstudy import devtools
-from quantstudy.artifacts import DamagedArtifact, leaves, now, provenance, read_json, write_json
+from quantstudy.artifacts import DamagedArtifact, gpu_name, leaves, now, provenance, read_json, write_json
 
 # How close a re-executed job's numbers must come to the recorded ones.
 # - evaluate: every number of quality.json (metric blocks, non-finite counts, probe). The same
@@ -80,7 +80,7 @@ def _device_allows(doc: dict[str, Any]) -> str | None:
         return None
     import torch
 
-    recorded = doc["provenance"]["hardware"].get("gpu_system", {}).get("name") or doc["provenance"]["hardware"].get("gpu")
+    recorded = gpu_name(doc["provenance"]["hardware"])
     if not torch.cuda.is_available():
         return f"it ran on {recorded or device}, and this machine has no GPU"
     here = torch.cuda.get_device_name()

@@ -459,7 +459,7 @@ def summarize(outputs: list[Path], planned: list[tuple[config.Study, str, str]],
     for key, (path, prov) in source.items():
         commit = prov["workflow_commit"]  # "<sha>-dirty": the working tree had changes
         short = commit[:12] + ("-dirty" if commit.endswith("-dirty") else "")
-        device = prov["hardware"].get("gpu") or "CPU"
+        device = artifacts.gpu_name(prov["hardware"]) or "CPU"
         print(f"| {key[0]}/{_where(rows[key])} | {path.parent} | {prov['started']} | {short} | {device} |")
     print(f"\nWithin {MARGIN - 1:.0%} of plain torch or faster (project / plain at most {MARGIN} for both engines, "
           f"outputs agreeing): {len(found) - len(over)} of {len(found)} rows. Not: {', '.join(over) or 'none'}.")

@@ -143,15 +143,16 @@ def test_a_job_on_another_card_than_its_targets_is_a_problem():
 def test_the_audit_of_a_study_run_on_another_card_names_every_job_of_it(monkeypatch):
     """check_chain over the committed H100 run's files (engines and weights are not committed, so those
     are missing too): each of its 40 GPU jobs (8 builds with their 8 records, 8 time, 8 profile,
-    4 evaluate, 4 gemm) is a problem; the H200 run's, none."""
+    4 evaluate, 4 gemm) is a problem; the H200 run's, none, and none in the H100 run whose target
+    declared that card."""
     from conftest import ROOT
 
     found = {}
-    for run in ("xcit", "xcit-h100"):
+    for run in ("xcit", "xcit-h100", "xcit-h100-declared"):
         monkeypatch.chdir(ROOT / "results/h200-build-once" / run)
         problems = audit.check_chain("results/timm_xcit/tables.json")["problems"]
-        found[run] = sorted(p.split(": ")[0] for p in problems if "but its target h200-torch declares gpu h200" in p)
-    assert found["xcit"] == []
+        found[run] = sorted(p.split(": ")[0] for p in problems if "but its target h200-torch declares gpu " in p)
+    assert found["xcit"] == [] and found["xcit-h100-declared"] == []
     assert len(found["xcit-h100"]) == 40
     assert {p.rsplit("/", 1)[1] for p in found["xcit-h100"]} == {
         "build.json", "measurements.json", "timing.json", "kernels.json", "quality.json", "gemm.json"}

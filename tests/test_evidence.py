@@ -48,11 +48,12 @@ def test_there_is_evidence():
 
 
 BUILD_ONCE = ROOT / "results" / "h200-build-once" / "xcit"
-# The same study after the autotune fix (4ec7401), on an H100: its jobs record what an opening redid.
-BUILD_ONCE_AFTER_FIX = ROOT / "results" / "h200-build-once" / "xcit-h100"
+# The same study after the autotune fix (4ec7401), on an H100: its jobs record what an opening redid. The
+# second ran with the target declaring that card (config/realsize/calls/h100.yaml).
+BUILD_ONCE_AFTER_FIX = [ROOT / "results" / "h200-build-once" / run for run in ("xcit-h100", "xcit-h100-declared")]
 
 
-@pytest.mark.parametrize("run", [BUILD_ONCE, BUILD_ONCE_AFTER_FIX], ids=lambda p: p.name)
+@pytest.mark.parametrize("run", [BUILD_ONCE, *BUILD_ONCE_AFTER_FIX], ids=lambda p: p.name)
 def test_the_build_once_run_opened_every_engine_from_its_build_and_measured_one_program(run: Path):
     """results/h200-build-once/: every torch measurement job logged opening each engine from its
     build's compiled program with no graph compiled, in at most 15 s an engine; each variant's timing
@@ -78,13 +79,14 @@ def test_the_build_once_run_opened_every_engine_from_its_build_and_measured_one_
             assert json.loads((timing.parent / "quality.json").read_text())["compiled_sha256"] == recorded
 
 
-def test_the_build_once_run_after_the_fix_redid_nothing_opening_its_engines():
-    """Every time, profile and evaluate job of the run after the autotune fix records what its openings
+@pytest.mark.parametrize("run", BUILD_ONCE_AFTER_FIX, ids=lambda p: p.name)
+def test_the_build_once_run_after_the_fix_redid_nothing_opening_its_engines(run: Path):
+    """Every time, profile and evaluate job of a run after the autotune fix records what its openings
     redid (`open_redone`), and none compiled or autotuned anything again."""
     from quantstudy import audit
 
     jobs = {p: json.loads(p.read_text()) for name in ("timing.json", "kernels.json", "quality.json")
-            for p in (BUILD_ONCE_AFTER_FIX / "results").rglob(name)}
+            for p in (run / "results").rglob(name)}
     assert len(jobs) == 20
     assert all("open_redone" in doc for doc in jobs.values())
     assert [problem for p, doc in jobs.items() for problem in audit.redone_problems(str(p), doc)] == []

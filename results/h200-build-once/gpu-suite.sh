@@ -4,9 +4,9 @@
 # so that it spans device calls on a warm node: a file with a result under $ev is not run again, and a
 # call starts no file once BUDGET seconds (default 560: the call's 600 s, less packing) are spent.
 #   OUT=/some/dir bash results/h200-build-once/gpu-suite.sh            (again until "all files run")
-# FILES: the test files, in order (default: tests/test_*.py). Each file's pytest output is appended to
+# FILES: the test files or node ids, in order (default: tests/test_*.py). Each file's pytest output is appended to
 # $ev/pytest-suite.txt, its exit status to $ev/pytest-suite-status.tsv; $OUT/gpu-suite.tar.gz has both.
-# A file that needs more than one call's time never finishes; run its tests in parts elsewhere.
+# A file that needs more than one call's time never finishes: name its tests in parts in FILES.
 # ./.whl holds the wheels the node lacks (see ../shared/offline-gpu/README.md).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 || exit 1
@@ -17,7 +17,7 @@ left() { echo $(( ${BUDGET:-560} - ($(date +%s) - t0) )); }
 [ -e $ev/machine.txt ] || { nvidia-smi; python3 -c "import torch, onnxruntime; print('torch', torch.__version__,
 'onnxruntime', onnxruntime.__version__, torch.cuda.get_device_name())"; } > $ev/machine.txt 2>&1
 for file in ${FILES:-tests/test_*.py}; do
-  name=$(basename $file .py)
+  name=$(echo ${file#tests/} | tr '/:' '__')  # a marker's name
   [ -e $ev/done/$name ] && continue
   [ $(left) -gt 30 ] || { echo "no time left in this call before $name" | tee -a $ev/pytest-suite.txt; break; }
   echo "== $file ($(date -u +%FT%TZ))" >> $ev/pytest-suite.txt
@@ -29,7 +29,7 @@ for file in ${FILES:-tests/test_*.py}; do
   printf '%s\t%s\t%s\n' $name $rc $(( $(date +%s) - start )) >> $ev/pytest-suite-status.tsv
   touch $ev/done/$name
 done
-all=$(ls ${FILES:-tests/test_*.py} | wc -l) ran=$(ls $ev/done | wc -l)
+all=$(echo ${FILES:-tests/test_*.py} | wc -w) ran=$(ls $ev/done | wc -l)
 echo "$ran of $all files run; exit statuses other than 0 (5: nothing collected): $(awk -F'\t' '$2 != 0' \
   $ev/pytest-suite-status.tsv 2>/dev/null | cut -f1,2 | tr '\t\n' '= ' )" | tee $ev/summary.txt
 [ $ran = $all ] && echo "all files run" | tee -a $ev/summary.txt

@@ -194,12 +194,11 @@ def _profiled(runner: Any, calls: int):
     cuda = _on_cuda(runner)
     if cuda:
         activities.append(ProfilerActivity.CUDA)
-    call = runner.profile_call if hasattr(runner, "profile_call") else runner.replay
-    call()
+    runner.profile_call()
     runner.synchronize()
     with profile(activities=activities, record_shapes=True) as prof:
         for _ in range(calls):
-            call()
+            runner.profile_call()
         runner.synchronize()
     events = prof.events()
     if not cuda:
@@ -247,7 +246,8 @@ CPU_SESSIONS = 3
 
 def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
     """The profile of `calls` calls (one session on a GPU; on a CPU the session of median total among
-    CPU_SESSIONS, as the timing keeps its median round), with every session's total."""
+    CPU_SESSIONS, as the timing keeps its median round), with every session's total. `runner`: a torch
+    runner (torch_backend.Runner), whose `profile_call()` runs one forward for the profiler."""
     sessions = 1 if _on_cuda(runner) else CPU_SESSIONS
     profiles = sorted((_profile_session(runner, calls, classify, regions) for _ in range(sessions)),
                       key=lambda p: p["total_ms"])

@@ -209,7 +209,7 @@ def test_profiled_gemm_calls_are_per_forward_like_the_total(device):
             self.x = torch.randn(64, 256, device=self.device)
 
         @torch.no_grad()
-        def replay(self):
+        def profile_call(self):
             self.layer(self.x)
 
         def synchronize(self):
@@ -240,7 +240,7 @@ def test_a_cpu_profile_keeps_its_median_session_so_one_slow_call_does_not_count(
             self.big = torch.randn(1536, 1536)
 
         @torch.no_grad()
-        def replay(self):
+        def profile_call(self):
             self.calls += 1
             self.layer(self.x)
             if self.calls == 4:  # the second session's profiled call (each session has a warm-up call first)

@@ -338,7 +338,7 @@ def test_kernel_groups_of_an_eager_fp8_decode(fam, exported):
     class Runner:
         device = torch.device("cpu")
 
-        def replay(self):
+        def profile_call(self):
             with torch.no_grad():
                 model(**case["inputs"])
 

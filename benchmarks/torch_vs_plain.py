@@ -1,12 +1,14 @@
 """The torch backend's engines against plain torch implementations of the same math (quantstudy.torch_vs_plain).
 
-    python benchmarks/torch_vs_plain.py [--tiny | --config RUN.yaml] [--families fnet deberta_v2]
+    python benchmarks/torch_vs_plain.py [--tiny | --config RUN.yaml [LAYER.yaml ...]] [--families fnet deberta_v2]
         [--settings 'fnet-base/*' 'xcit-*/b1'] [--profile] [--budget-s 450] [--compile-workers]
         [--out torch_vs_plain.json] [--workdir CHECKOUT] [--cores N]
     python benchmarks/torch_vs_plain.py --summary A.json B.json   # several calls' outputs together
 
 --tiny: config/config.yaml's tiny models on the CPU torch target; default: config/h200.yaml (real
-size, random weights, the H200 torch target). The workflow first makes the settings' baseline and
+size, random weights, the H200 torch target); on another card, its layer after it (--config
+config/h200.yaml config/realsize/calls/h100.yaml), since a target's jobs run only on the card it
+declares. The workflow first makes the settings' baseline and
 candidate builds in --workdir (default: this checkout). On an offline H200 node (./.whl as for
 results/h200-torch/run.sh), from the repository root:
 

@@ -159,18 +159,20 @@ def redone_problems(path: str, doc: dict[str, Any]) -> list[str]:
 def card_problems(path: str, doc: dict[str, Any]) -> list[str]:
     """A job of a GPU target that ran on another card than the one its target declares (`gpu:`): the
     README says its numbers are that card's."""
-    from quantstudy.config import is_card
+    from quantstudy.config import Target, on_its_card
 
     prov = doc.get("provenance") or {}
     target = (prov.get("params") or {}).get("target")
-    if not isinstance(target, dict) or target.get("device", "cpu") == "cpu":
+    if not isinstance(target, dict):
         return []
-    name, gpu = target.get("target") or target.get("name"), target.get("gpu", "cpu")  # rule params, or a Target
-    ran_on = artifacts.gpu_name(prov.get("hardware", {})) or "no GPU"
-    if is_card(gpu, ran_on):
+    # rule params (the name under `target`), or a Target's fields (torch_vs_plain)
+    fields = {"name": target.get("target") or target.get("name"), "backend": target.get("backend", ""),
+              "device": target.get("device", "cpu"), "gpu": target.get("gpu", "cpu")}
+    ran_on = artifacts.gpu_name(prov.get("hardware", {}))
+    if on_its_card(Target(**fields), ran_on):
         return []
-    return [f"{path}: ran on {ran_on}, but its target {name} declares gpu {gpu}: its numbers are not that "
-            f"card's; rerun it on an {gpu}, or declare the card it ran on in the run config"]
+    return [f"{path}: ran on {ran_on or 'no GPU'}, but its target {fields['name']} declares gpu {fields['gpu']}: its "
+            f"numbers are not that card's; rerun it on an {fields['gpu']}, or declare the card it ran on in the run config"]
 
 
 def redrawn_problems(path: str, doc: dict[str, Any], family: str) -> list[str]:

@@ -99,6 +99,13 @@ def is_card(gpu: str, name: str) -> bool:
     return re.search(rf"(?<![a-z0-9]){re.escape(gpu.lower())}(?![a-z0-9])", name.lower()) is not None
 
 
+def on_its_card(target: Target, gpu_name: str | None) -> bool:
+    """Whether a job of `target` may record numbers on the GPU named `gpu_name` (None: the job sees
+    none): a CPU target anywhere, a GPU target on the card it declares (`gpu:`), since its README
+    says they are that card's. The audit asks it of every recorded job; each job before it starts."""
+    return target.device == "cpu" or (gpu_name is not None and is_card(target.gpu, gpu_name))
+
+
 @dataclass(frozen=True)
 class Target:
     name: str

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 from quantstudy import artifacts, hub
 from quantstudy.artifacts import now, provenance, read_json, sha256_path, write_json
-from quantstudy.config import Target
+from quantstudy.config import Target, on_its_card
 
 log = logging.getLogger("quantstudy")
 
@@ -287,11 +287,30 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
 
 # --- engines ---------------------------------------------------------------------------------
 
+class WrongCard(RuntimeError):
+    """A job of a GPU target on a host without the card the target declares: not a result to record."""
+
+
+def _require_card(target: Target) -> None:
+    """Stop a job of a GPU target before it builds or opens anything on a host without the card the
+    target declares: the README would call its numbers that card's (the audit fails them afterwards)."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    if not on_its_card(target, gpu):
+        raise WrongCard(f"target {target.name} declares gpu {target.gpu}, but this job runs on {gpu or 'no GPU'}: "
+                        f"run it on an {target.gpu}, or declare the card this host has in a run config layer "
+                        "(a second --configfile, such as config/realsize/calls/h100.yaml)")
+
+
 def _record(kind: str, rule: str, out: str, ident: dict[str, Any], inputs: dict[str, Any], params: dict[str, Any],
             measure, on_failure: dict[str, Any] | None = None) -> dict[str, Any]:
     """The one way a step writes what it measured: `measure()`'s fields as the ok record, or, if it
     raises, the failed record (_failed). A failure is a result: it is written, never raised. Returns
-    the record written."""
+    the record written. A job of a target (`params["target"]`) on a host without its card is no
+    result: it raises WrongCard before measuring, and writes nothing."""
+    if "target" in params:
+        _require_card(Target.from_params(params["target"]))
     started = now()
     try:
         doc = {"status": "ok", **ident, **measure()}

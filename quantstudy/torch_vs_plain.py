@@ -69,7 +69,7 @@ def _say(msg: str, started: float = time.perf_counter()) -> None:
     print(f"[{time.perf_counter() - started:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
-def workflow_builds(todo: list[tuple[config.Study, str, str]], target: config.Target, config_file: Path,
+def workflow_builds(todo: list[tuple[config.Study, str, str]], target: config.Target, config_files: list[Path],
                     cores: int) -> None:
     """Have the workflow make the baseline and candidate builds of every planned setting (and what
     they need: local hub, checkpoint, samples, calibration), as `snakemake <build.json>` would: these
@@ -77,7 +77,7 @@ def workflow_builds(todo: list[tuple[config.Study, str, str]], target: config.Ta
     wanted = sorted({study.build_json(target.name, m, st, v) for study, m, st in todo
                      for v in (study.baseline(st), study.candidate)})
     _say(f"snakemake: {len(wanted)} builds")
-    done = subprocess.run([sys.executable, "-m", "snakemake", "--configfile", str(config_file), "--cores", str(cores),
+    done = subprocess.run([sys.executable, "-m", "snakemake", "--configfile", *map(str, config_files), "--cores", str(cores),
                            "--keep-going", "--rerun-incomplete", *wanted], capture_output=True, text=True)
     if done.returncode != 0:  # a setting whose build is missing fails alone (measure), the others run
         _say("snakemake failed; its last lines:\n" + "\n".join(done.stderr.splitlines()[-30:]))
@@ -220,7 +220,7 @@ def compile_in_workers(model: str, setting: str, engines: list[str], args: argpa
     A worker that fails is logged and left: this process compiles that engine itself."""
     logs = args.work / "compile-workers"
     logs.mkdir(parents=True, exist_ok=True)
-    common = [sys.executable, "-m", __name__, "--config", str(run_config(args).resolve()), "--settings",
+    common = [sys.executable, "-m", __name__, "--config", *(str(p.resolve()) for p in run_config(args)), "--settings",
               f"{model}/{setting}", "--work", str(args.work.resolve()), "--workdir", str(Path.cwd())]
     workers = {}
     for engine in engines:
@@ -496,14 +496,27 @@ def torch_target(run: config.Run) -> config.Target:
     target = next((t for t in run.targets.values() if t.backend == "torch"), None)
     if target is None:
         raise SystemExit(f"the run {run.name} has no torch target")
-    if torch.device(target.device).type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"target {target.name} runs on CUDA and torch sees no GPU here; on a CPU use --tiny")
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    if not config.on_its_card(target, gpu):  # its builds would stop (steps.WrongCard): say so before them
+        raise SystemExit(f"target {target.name} declares gpu {target.gpu}, but this host has {gpu or 'no GPU'}; on a "
+                         "CPU use --tiny, on another card add its config layer (--config config/h200.yaml "
+                         "config/realsize/calls/h100.yaml)")
     return target
 
 
-def run_config(args: argparse.Namespace) -> Path:
-    """The run config (a default is the workdir's own)."""
-    return args.config or args.workdir / ("config/config.yaml" if args.tiny else "config/h200.yaml")
+def run_config(args: argparse.Namespace) -> list[Path]:
+    """The run config and the layers over it (a default is the workdir's own)."""
+    return args.config or [args.workdir / ("config/config.yaml" if args.tiny else "config/h200.yaml")]
+
+
+def load_run(files: list[Path]) -> config.Run:
+    """The run of config files layered as Snakemake layers its --configfile arguments."""
+    from snakemake.utils import update_config
+
+    doc: dict[str, Any] = {}
+    for f in files:
+        update_config(doc, yaml.safe_load(f.read_text()))
+    return config.load_run(doc)
 
 
 def write(out: Path | None, doc: dict[str, Any], started: str, params: dict[str, Any]) -> None:
@@ -515,7 +528,8 @@ def write(out: Path | None, doc: dict[str, Any], started: str, params: dict[str,
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="config/config.yaml's tiny models (CPU checks)")
-    parser.add_argument("--config", type=Path, help="run config (default: config/h200.yaml, --tiny config/config.yaml)")
+    parser.add_argument("--config", type=Path, nargs="+", help="run config, then any layers over it, as the workflow's "
+                        "--configfile takes them (default: config/h200.yaml, --tiny config/config.yaml)")
     parser.add_argument("--families", nargs="+", help="families to run (default: every one with a plain model)")
     parser.add_argument("--settings", nargs="+", help="model/setting patterns, e.g. '*-base/w128' '*/b1'; the first "
                         "pattern's settings run first")
@@ -547,18 +561,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started, t0 = artifacts.now(), time.perf_counter()
     # The workflow's paths (build.json, engines) are relative to its checkout: work from there.
     args.workdir = args.workdir.resolve()
-    args.config, args.out = [p.resolve() if p else None for p in (args.config, args.out)]
+    args.config = [p.resolve() for p in args.config] if args.config else None
+    args.out = args.out.resolve() if args.out else None
     args.work = (args.work or args.workdir / "results" / "torch-vs-plain").resolve()
     steps.job_settings()  # as the workflow's jobs run (TF32 off: fp32 stays fp32)
-    cfg = run_config(args)
-    run = config.load_run(yaml.safe_load(cfg.read_text()))
+    cfgs = run_config(args)
+    run = load_run(cfgs)
     if args.summary:
         return summarize(args.summary, plan(run, args.families or list(plain.names()), args.settings), run)
     with contextlib.chdir(args.workdir):
-        return _run(args, run, cfg, started, t0)
+        return _run(args, run, cfgs, started, t0)
 
 
-def _run(args: argparse.Namespace, run: config.Run, cfg: Path, started: str, t0: float) -> dict[str, Any]:
+def _run(args: argparse.Namespace, run: config.Run, cfgs: list[Path], started: str, t0: float) -> dict[str, Any]:
     """The planned settings, measured in the workdir: the workflow's builds, then a row per graph."""
     family_names = args.families or [f for f in plain.names() if any(s.family == f for s in timed_studies(run))]
     unknown = sorted(set(family_names) - set(plain.names()))
@@ -567,12 +582,12 @@ def _run(args: argparse.Namespace, run: config.Run, cfg: Path, started: str, t0:
     target = torch_target(run)
     todo = plan(run, family_names, args.settings)
     if not todo:
-        raise SystemExit(f"no timed setting of {cfg} matches families {family_names} and settings {args.settings}")
+        raise SystemExit(f"no timed setting of {' + '.join(map(str, cfgs))} matches families {family_names} and settings {args.settings}")
     # Dynamo keeps compiled variants per code object; past the limit it would run a module eagerly,
     # unannounced. A setting compiles four modules (the caches are reset between settings).
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     params = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    doc: dict[str, Any] = {"run": run.name, "weights": run.weights, "config": str(cfg),
+    doc: dict[str, Any] = {"run": run.name, "weights": run.weights, "config": [str(p) for p in cfgs],
                            "target": {"target": target.name, **{k: v for k, v in vars(target).items() if k != "name"}},
                            "rows": [], "not_run": []}
     if args.open_only:
@@ -585,7 +600,7 @@ def _run(args: argparse.Namespace, run: config.Run, cfg: Path, started: str, t0:
         measure(*todo[0], target, args)
         return doc
     if args.budget_s is None or args.budget_s > 0:  # a spent budget starts nothing, the builds included
-        workflow_builds(todo, target, cfg, args.cores)
+        workflow_builds(todo, target, cfgs, args.cores)
     _say(f"{len(todo)} settings on {target.name} ({target.device}, compile {target.compile}): "
          + ", ".join(f"{m}/{st}" for _, m, st in todo))
     longest = 0.0  # the longest setting so far: what the next one is expected to take

@@ -358,6 +358,17 @@ def test_a_target_knows_its_card_by_the_word_in_the_gpus_name(gpu, name, same):
     assert qc.is_card(gpu, name) is same
 
 
+@pytest.mark.parametrize("device, gpu, ran_on, may", [
+    ("cpu", "cpu", None, True), ("cpu", "cpu", "NVIDIA H100 80GB HBM3", True),  # a CPU target's job anywhere
+    ("cuda", "h200", "NVIDIA H200", True), ("cuda", "h100", "NVIDIA H100 80GB HBM3", True),
+    ("cuda", "h200", "NVIDIA H100 80GB HBM3", False), ("cuda", "h200", None, False),
+    ("cuda", "cpu", "NVIDIA H100 80GB HBM3", False),  # a GPU target that declares no card
+])
+def test_a_gpu_targets_job_may_record_numbers_only_on_the_card_it_declares(device, gpu, ran_on, may):
+    target = qc.Target(name="t", backend="torch", device=device, gpu=gpu)
+    assert qc.on_its_card(target, ran_on) is may
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c.update(column="mlm.top1_agrement"), "column 'mlm.top1_agrement' is no column of the quality table; "
                                                      "did you mean mlm.top1_agreement"),

@@ -69,6 +69,23 @@ def test_evaluate_failure_is_recorded(tiny_inputs, built, tmp_path):
     assert doc["status"] == "failed" and "reference.safetensors" in doc["error"]
 
 
+@pytest.mark.parametrize("step", ["build", "time"])
+def test_a_job_on_a_host_without_its_targets_card_stops_before_it_measures_and_writes_nothing(
+        step, tiny_inputs, built, tmp_path):
+    """Not a result: the README would call its numbers the declared card's. `z999` is no card a host has."""
+    target = {"target": "z999-torch", "backend": "torch", "device": "cuda", "gpu": "z999"}
+    out = tmp_path / f"{step}.json"
+    with pytest.raises(steps.WrongCard, match="target z999-torch declares gpu z999, but this job runs on "):
+        if step == "build":
+            steps.build(ident("fp16"), "fnet", target, SETTING, ARCHITECTURE, FP16, tiny_inputs["study"].recipe,
+                        str(tiny_inputs["checkpoint"]), None, str(out))
+        else:
+            steps.time(ident("fp16"), "fnet", target, SETTING, tiny_inputs["study"].recipe,
+                       {"warmup": 0, "rounds": 1, "calls_per_round": 1}, str(tiny_inputs["checkpoint"]), str(built),
+                       str(built), str(out))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_failed_row_carries_the_whole_error_text_not_only_the_tracebacks_last_line(tmp_path):
     """A build that fails with a builder's multi-line error (as TensorRT 11.4's on FP8 out_proj): the
     record keeps the traceback; the table row (what a README renders) has every line of the exception,

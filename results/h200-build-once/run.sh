@@ -11,7 +11,7 @@
 # Also the GPT-Neo evidence (results/h200-gpt-neo/): STUDY names the study, EV the folder of its log and
 # stage markers, CALL a config file layered over config/h200.yaml (config/realsize/calls/).
 # TVP (model/setting patterns, e.g. 'xcit-*/b1'): after the study, benchmarks/torch_vs_plain.py on
-# those settings, opening the study's own builds (with CALL empty: the same config); TVP_ARGS adds
+# those settings, opening the study's own builds (the same config and CALL); TVP_ARGS adds
 # options (--profile).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 || exit 1
@@ -48,10 +48,10 @@ gputests() {
 }
 tvp() {
   set -f  # TVP's patterns split into words, never globbed against files
-  python3 benchmarks/torch_vs_plain.py --settings $TVP --cores 16 --compile-workers ${TVP_ARGS:-} --budget-s $1 \
+  python3 benchmarks/torch_vs_plain.py --config config/h200.yaml ${CALL:-} --settings $TVP --cores 16 --compile-workers ${TVP_ARGS:-} --budget-s $1 \
     --out $ev/torch_vs_plain.json > $ev/torch_vs_plain.md 2> $ev/torch_vs_plain.log
 }
-export ev sm TVP=${TVP:-} TVP_ARGS=${TVP_ARGS:-} && export -f machine pass1 pass2 gputests tvp
+export ev sm CALL=${CALL:-} TVP=${TVP:-} TVP_ARGS=${TVP_ARGS:-} && export -f machine pass1 pass2 gputests tvp
 python3 -m snakemake --unlock --configfile config/h200.yaml > /dev/null 2>&1
 ok=1
 stage machine machine || ok=0

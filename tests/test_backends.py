@@ -217,7 +217,7 @@ def test_onnxruntime_sessions_skip_the_qdq_fusion(tmp_path):
         return [n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node]
 
     assert "MatMulIntegerToFloat" in optimized_ops(ort.SessionOptions()), "the fusion no longer takes this graph"
-    assert "MatMulIntegerToFloat" not in optimized_ops(module._session_options(target_for("onnxruntime")))
+    assert "MatMulIntegerToFloat" not in optimized_ops(module._session_options(target_for("onnxruntime").builder))
     assert backend.builder_options(target_for("onnxruntime"))["disabled_optimizers"] == ["QDQSelectorActionTransformer"]
 
 

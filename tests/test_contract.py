@@ -222,7 +222,6 @@ def test_reference_evaluator_agrees_with_onnxruntime(family, graph, family_case,
     """The FP8 graph's Q/DQ semantics checked by an independent evaluator (onnx's reference one),
     on the fp32 FP8 variant: in fp16 the two differ by design (ONNX Runtime computes fp16 ops in
     fp32, the reference evaluator in fp16, where e.g. a layer norm's squares overflow)."""
-    import onnxruntime as ort
     from onnx.reference import ReferenceEvaluator
 
     if CASES[family].layerwise_test:
@@ -235,8 +234,7 @@ def test_reference_evaluator_agrees_with_onnxruntime(family, graph, family_case,
     got = ReferenceEvaluator(info["onnx"]).run(None, feeds)
     backend_or_skip("onnxruntime")  # the session as the backend opens it (its disabled fusion)
     ort_backend = importlib.import_module("quantstudy.backends.onnxruntime_backend")
-    session = ort.InferenceSession(info["onnx"], ort_backend._session_options(target_for("onnxruntime")),
-                                   providers=ort_backend.PROVIDERS)
+    session = ort_backend.session(info["onnx"], target_for("onnxruntime"))
     want = session.run(None, feeds)
     for g, w in zip(got, want):
         # The same fp32 graph; float32 GEMM reordering can move a value across an FP8 rounding

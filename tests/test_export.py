@@ -15,7 +15,7 @@ from torch import nn
 from quantstudy import config, export, families, quantization
 from quantstudy.families.base import Setting
 
-import onnxruntime as ort  # noqa: E402  (pinned: a broken install fails, it does not skip)
+from quantstudy.backends.onnxruntime_backend import session as ort_session  # noqa: E402  (pinned: a broken install fails, it does not skip)
 
 RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
           "dequantize_dtype": "float16"}
@@ -45,7 +45,7 @@ def _nodes(path):
 
 
 def _run_ort(path, x: torch.Tensor) -> torch.Tensor:
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    session = ort_session(path)
     return torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
 
 

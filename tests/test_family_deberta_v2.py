@@ -22,7 +22,7 @@ from quantstudy.families.deberta_v2 import POSITIONS
 from conftest import assert_declares_its_quality_columns, observed_amax, skip_without_gpu, tiny_checkpoint
 
 import onnx  # noqa: E402  (pinned: a broken install fails, it does not skip)
-import onnxruntime as ort  # noqa: E402
+from quantstudy.backends.onnxruntime_backend import session as ort_session  # noqa: E402
 
 FAMILY = families.get("deberta_v2")
 PROJECTIONS = ["attention.self.query_proj", "attention.self.key_proj", "attention.self.value_proj",
@@ -83,9 +83,7 @@ def exported(base, tmp_path_factory):
 
 
 def _ort(path, inputs: dict) -> torch.Tensor:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # not the warnings that it cannot constant-fold fp16 MatMuls on CPU
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session = ort_session(path)
     return torch.from_numpy(session.run(["features"], {k: v.numpy() for k, v in inputs.items()})[0]).float()
 
 

@@ -7,7 +7,6 @@ import io
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from onnx.reference import ReferenceEvaluator
@@ -16,6 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from quantstudy import config, export, families, quantization
+from quantstudy.backends.onnxruntime_backend import session as ort_session
 from quantstudy.families import base
 from quantstudy.families.deformable_detr import SIZE_MAX, SIZE_MIN, DetectorEngine, WeightedStackAttention, load_images
 
@@ -466,7 +466,7 @@ LAYER = {"float32": 1e-5, "float16": 2 * 2.0 ** -11}
 
 def _ort(onnx_model, extra: list[str] = ()):
     source = _with_outputs(onnx_model, list(extra)) if extra else onnx_model
-    return ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+    return ort_session(source)
 
 
 def _check_layers(v: Variant, run: dict[str, np.ndarray], tensors: dict[str, tuple[str, str, str]],

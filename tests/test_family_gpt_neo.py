@@ -17,7 +17,7 @@ from quantstudy.families import base, gpt_neo
 
 from conftest import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
 
-import onnxruntime as ort  # noqa: E402  (pinned: a broken install fails, it does not skip)
+from quantstudy.backends.onnxruntime_backend import session as ort_session  # noqa: E402  (pinned: a broken install fails, it does not skip)
 
 # The write-up's recipe: q_proj, k_proj, v_proj, c_fc and c_proj of every layer.
 RECIPE = {"quantize": ["transformer.h.*.attn.attention.q_proj", "transformer.h.*.attn.attention.k_proj",
@@ -214,7 +214,7 @@ def _qdq_gemms(path) -> list[str]:
 
 
 def _ort(case) -> dict[str, torch.Tensor]:
-    session = ort.InferenceSession(case["info"]["onnx"], providers=["CPUExecutionProvider"])
+    session = ort_session(case["info"]["onnx"])
     names = [o.name for o in session.get_outputs()]
     outs = session.run(None, {k: v.numpy() for k, v in case["inputs"].items()})
     return {n: torch.from_numpy(o) for n, o in zip(names, outs)}

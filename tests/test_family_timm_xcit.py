@@ -192,11 +192,9 @@ def exported(fam, tiny, dataset, tmp_path_factory):
 
 
 def _ort(path, x: torch.Tensor) -> np.ndarray:
-    import onnxruntime as ort
+    from quantstudy.backends.onnxruntime_backend import session as ort_session
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # ORT CPU cannot constant-fold the fp16 positional-encoding Conv: a warning
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session = ort_session(path)
     rows = [session.run(["logits"], {"pixel_values": x[i:i + 1].numpy()})[0] for i in range(len(x))]
     return np.concatenate(rows).astype(np.float32)
 

@@ -33,10 +33,17 @@ DISABLED_OPTIMIZERS = ["QDQSelectorActionTransformer"]
 _DISABLE_KEY = "optimization.disable_specified_optimizers"
 
 
-def _session_options(target, profile_prefix: str | None = None) -> ort.SessionOptions:
-    """Session options from the target's `builder` block (threads, optimization level), with
+def session(model: str | Path | bytes, target=None, profile_prefix: str | None = None) -> ort.InferenceSession:
+    """A session on an ONNX model (its file, or its bytes) as this backend opens every engine: the
+    target's builder options (no target: the defaults), DISABLED_OPTIMIZERS off. A test that runs an
+    exported graph in ONNX Runtime opens it here too, so that it runs what the backend runs."""
+    options = _session_options(target.builder if target else {}, profile_prefix)
+    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=PROVIDERS)
+
+
+def _session_options(builder: dict[str, Any], profile_prefix: str | None = None) -> ort.SessionOptions:
+    """Session options from a target's `builder` block (threads, optimization level), with
     DISABLED_OPTIMIZERS off."""
-    builder = target.builder
     so = ort.SessionOptions()
     level = builder.get("graph_optimization_level", "ORT_ENABLE_ALL")
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
@@ -80,7 +87,7 @@ class OnnxRuntimeBackend:
     @staticmethod
     def builder_options(target) -> dict[str, Any]:
         """The session options this target's sessions are opened with (`_session_options`), and the FP8 path."""
-        so = _session_options(target)
+        so = _session_options(target.builder)
         threads = so.intra_op_num_threads
         return {"graph_optimization_level": str(so.graph_optimization_level).rsplit(".", 1)[-1],
                 "intra_op_num_threads": threads if threads > 0 else "ONNX Runtime default (one per core)",
@@ -95,12 +102,11 @@ class OnnxRuntimeBackend:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         engine = _place(Path(onnx_path), out_dir)
-        options = _session_options(target)
-        session = ort.InferenceSession(str(engine), options, providers=PROVIDERS)
+        opened = session(engine, target)
         files = [p for p in out_dir.iterdir() if p.is_file() and not p.name.endswith(".json")]
         return {"engine": str(engine), "engine_bytes": sum(p.stat().st_size for p in files),
-                "onnxruntime": {"version": ort.__version__, "providers": session.get_providers(),
-                                "graph_optimization_level": str(options.graph_optimization_level)}}
+                "onnxruntime": {"version": ort.__version__, "providers": opened.get_providers(),
+                                "graph_optimization_level": str(opened.get_session_options().graph_optimization_level)}}
 
     @staticmethod
     def open(out_dir: str | Path, example: dict[str, torch.Tensor], target, skeleton=None) -> "Runner":
@@ -133,7 +139,7 @@ class Runner:
         self.fp8_layers = self.fp8_gemm = None  # the engine decides; its profile and inspector tell
         self.open_seconds = None
         self.open_redone: dict[str, float] = {}
-        self.session = ort.InferenceSession(str(engine), _session_options(target), providers=PROVIDERS)
+        self.session = session(engine, target)
         self.input_shapes = {i.name: i.shape for i in self.session.get_inputs()}
         self.input_types = {i.name: _NUMPY_TYPES[i.type] for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
@@ -184,11 +190,10 @@ class Runner:
         from collections import defaultdict
 
         with tempfile.TemporaryDirectory() as tmp:
-            session = ort.InferenceSession(str(self.engine), _session_options(self.target, f"{tmp}/ort"),
-                                           providers=PROVIDERS)
+            profiled = session(self.engine, self.target, f"{tmp}/ort")
             for _ in range(calls + 1):  # the first call warms up and is dropped
-                session.run(None, self.static_inputs)
-            events = _profile_events(session.end_profiling())
+                profiled.run(None, self.static_inputs)
+            events = _profile_events(profiled.end_profiling())
         events = events[len(events) // (calls + 1):]
         fp8_layers = _fp8_layers_of(self.engine)
         shapes = _input_shapes(self.engine)

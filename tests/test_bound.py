@@ -10,6 +10,8 @@ import pytest
 
 from quantstudy import aggregate, bound
 
+from conftest import skip_without_gpu
+
 
 def test_bound_formula_on_known_cases():
     assert bound.amdahl_bound(0.5, 2.0) == pytest.approx(4 / 3)
@@ -200,7 +202,7 @@ def test_profiled_gemm_calls_are_per_forward_like_the_total(device):
     from quantstudy import timing
 
     if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+        skip_without_gpu("the CUDA profile needs a GPU; torch sees none here")
 
     class OneProjection:
         def __init__(self):

@@ -364,7 +364,8 @@ def _quarter_variant_time(doc: dict) -> None:
     """A timing forged with care: the variant's round samples divided by 4, and its summary and x made
     again from them as the time job makes them, so that every derived number agrees with the samples.
     (Halved, the ms once passed: the re-executed tiny job's 1-call rounds on a busy 2-core CI machine
-    spread wider than half the median; x was caught. 4 times is beyond the spreads seen.)"""
+    spread wider than half the median; x was caught. Quartered, the ms passed once more while the
+    tolerance was the rounds' whole range, which one stalled round widens; it is their middle spread now.)"""
     from quantstudy import timing
 
     g = doc["graphs"]["main"]

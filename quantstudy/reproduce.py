@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from quantstudy import devtools
+from quantstudy import devtools, timing
 from quantstudy.artifacts import DamagedArtifact, gpu_name, leaves, now, provenance, read_json, write_json
 
 # How close a re-executed job's numbers must come to the recorded ones.
@@ -71,7 +71,7 @@ def compare_timing(recorded: dict[str, Any], reproduced: dict[str, Any], toleran
                           "tolerance": None})
             continue
         # (key, recorded, reproduced, how far apart they may be)
-        ratios = [b / v for b, v in zip(p["baseline_ms"]["samples_ms"], p["variant_ms"]["samples_ms"])]
+        ratios = timing.round_ratios(p["baseline_ms"]["samples_ms"], p["variant_ms"]["samples_ms"])
         compared = [("x", r["x"], p["x"], max(middle_spread(ratios), tolerance["x"] * abs(p["x"])))]
         compared += [(f"{ms}.median_ms", r[ms]["median_ms"], p[ms]["median_ms"],
                       max(middle_spread(p[ms]["samples_ms"]), tolerance["ms"] * p[ms]["median_ms"]))

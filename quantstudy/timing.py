@@ -54,9 +54,14 @@ def summarize(samples: list[float]) -> dict[str, Any]:
             "spread": (max(samples) - min(samples)) / median if median > 0 else 0.0, "samples_ms": samples}
 
 
+def round_ratios(baseline: list[float], variant: list[float]) -> list[float]:
+    """x of each paired round: the baseline's time over the variant's."""
+    return [b / v for b, v in zip(baseline, variant)]
+
+
 def speedup(baseline: list[float], variant: list[float]) -> dict[str, float]:
     """x = baseline time / variant time: of the medians, and its range over the paired rounds."""
-    per_round = [b / v for b, v in zip(baseline, variant)]
+    per_round = round_ratios(baseline, variant)
     return {"x": statistics.median(baseline) / statistics.median(variant),
             "x_min": min(per_round), "x_max": max(per_round)}
 

@@ -62,6 +62,10 @@ def test_timing_x_is_compared_within_the_reexecuted_jobs_middle_spread_or_the_st
     # the re-executed job's middle spread, where wider than the study's share: rounds' x 1.1 to 1.3, 0.10 <= 0.20
     wide = [1.0, 1.1, 1.2, 1.3, 1.4]
     assert compare_timing(_timing(1.10, STEADY, wide), _timing(1.20, STEADY, wide), TOLERANCE) == []
+    # ... of the rounds' x, baseline over variant: 2.0 to 4.0 here, so 1.5 from 3.0 is within (their inverses
+    # spread 0.25 to 0.5, which would not allow it)
+    steps = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert compare_timing(_timing(1.5, STEADY, steps), _timing(3.0, STEADY, steps), TOLERANCE) == []
     assert compare_timing(_timing(1.1, STEADY, wide), _timing(1.1, STEADY, wide, engine="f"),
                           TOLERANCE)[0]["key"] == "engine_sha256"
 

@@ -61,12 +61,15 @@ def optional(inputs: Any, name: str) -> str | None:
 
 
 def call(target: str, log_file: str | None, kwargs: dict[str, Any]) -> None:
-    from quantstudy import steps
+    """Run one job's step. A job holds the machine's cores shared for its whole run, so that no measurement
+    runs beside it; a step that measures takes them alone while it measures (timing.device_lock)."""
+    from quantstudy import steps, timing
 
     module, function = target.split(":")
+    step = getattr(importlib.import_module(module), function)
     try:
-        with steps.logged(log_file):
-            getattr(importlib.import_module(module), function)(**kwargs)
+        with steps.logged(log_file), timing.job_turn(step):
+            step(**kwargs)
     except Exception:
         if log_file:  # the traceback in the job's log too, not only on the terminal
             with open(log_file, "a") as f:

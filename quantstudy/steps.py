@@ -20,6 +20,7 @@ from typing import Any, Iterable
 from quantstudy import artifacts, hub
 from quantstudy.artifacts import now, provenance, read_json, sha256_path, write_json
 from quantstudy.config import Target, on_its_card
+from quantstudy.timing import measures_speed
 
 log = logging.getLogger("quantstudy")
 
@@ -547,6 +548,7 @@ def _engine_digests(build_doc: dict[str, Any]) -> dict[str, Any]:
     return digests
 
 
+@measures_speed
 def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,
          timing: dict[str, int], checkpoint_json: str, build_json: str, baseline_build_json: str, out: str,
          repeat: int = 1) -> None:
@@ -584,6 +586,7 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
     _record("timing", "time", out, ident, inputs, params, measure, {"baseline": baseline, "repeat": repeat})
 
 
+@measures_speed
 def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,
             calls: int, checkpoint_json: str, build_json: str, out: str) -> None:
     """Kernel (GPU) or op (CPU) time per call of each graph, in the family's kernel groups."""
@@ -609,6 +612,7 @@ def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting:
     _record("kernels", "profile", out, ident, inputs, params, measure)
 
 
+@measures_speed
 def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any],
          architecture: dict[str, Any], specs: dict[str, dict[str, Any]], recipe: dict[str, Any],
          timing: dict[str, int], checkpoint_json: str, amax_json: str, out: str) -> None:

@@ -119,33 +119,54 @@ def group_by_name(name: str, patterns: list[tuple[str, str]], default: str = "ot
 
 @contextlib.contextmanager
 def device_lock(device: Any, shared: bool = False):
-    """Jobs that share a GPU (parallel Snakemake jobs on one node) take turns on it through a lock
-    file named by the GPU's UUID: a measurement (time, profile, gemm) holds it alone; GPU work that
-    would disturb one (a runner's compile, warm-up and graph capture; the GPU work of calibrate,
-    reference and evaluate) holds it `shared`, so such work runs in parallel, but never during a
-    measurement. CPU work stays parallel (see gpu_turn).
+    """Jobs that share a device take turns on it through a lock file: a measurement (time, profile, gemm)
+    holds it alone; work that would disturb one holds it `shared`, so such work runs in parallel, but
+    never during a measurement.
+
+    - A GPU (lock named by its UUID): shared by a runner's compile, warm-up and graph capture and the
+      GPU work of calibrate, reference and evaluate; the CPU work of those jobs stays parallel.
+    - The CPU (one lock per machine, CPU_LOCK): shared by every job of the workflow for its whole run
+      (jobserver.call), but a measurement's own job, which takes it alone while it measures. On 2 cores
+      a build beside a timing made one engine's median move up to 4x between the jobs of one run.
 
     Two measurement jobs of one Snakemake run never get here at once: they hold the run's one
     `speed_measurement` slot (rules/common.smk). This lock guards what that resource cannot: other
-    jobs' GPU work during a measurement, which Snakemake runs beside it, and measurements of two
-    Snakemake runs (or a test) started separately on one GPU."""
+    jobs' work during a measurement, which Snakemake runs beside it, and measurements of two
+    Snakemake runs (or a test) started separately on one machine."""
     import torch
 
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type == "cuda":
+        uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", device.index or 0))
+        lock, what = Path(tempfile.gettempdir()) / f"quantstudy-gpu-{uuid}.lock", "GPU"
+    else:
+        lock, what = CPU_LOCK, "CPU"
+    with gpu_turn(lock, shared, what):
         yield
-        return
-    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", device.index or 0))
-    with gpu_turn(Path(tempfile.gettempdir()) / f"quantstudy-gpu-{uuid}.lock", shared):
-        yield
+
+
+# The machine's cores: one lock file per host (its temporary directory).
+CPU_LOCK = Path(tempfile.gettempdir()) / "quantstudy-cpu.lock"
+
+
+def measures_speed(step: Callable) -> Callable:
+    """Marks a step that measures speed: it takes its device alone while it measures (device_lock),
+    so its job does not hold the cores shared for its whole run (jobserver.call)."""
+    step.measures_speed = True
+    return step
+
+
+def job_turn(step: Callable):
+    """What a workflow job holds for its whole run: a shared turn on the cores, unless it measures."""
+    return contextlib.nullcontext() if getattr(step, "measures_speed", False) else gpu_turn(CPU_LOCK, shared=True)
 
 
 _TURNS_HELD: dict[Path, bool] = {}  # lock file -> shared, for the turns this process holds
 
 
 @contextlib.contextmanager
-def gpu_turn(lock: Path, shared: bool = False):
-    """A turn on the GPU of `lock`: alone, or `shared` with other shared holders. A measurement waiting
+def gpu_turn(lock: Path, shared: bool = False, what: str = "GPU"):
+    """A turn on the device of `lock` (`what`: GPU or CPU): alone, or `shared` with other shared holders. A measurement waiting
     for its turn closes a gate (lock.gate) that new shared holders must pass, so that it is not starved.
 
     Reentrant within a process: a turn inside a turn of the same process is already held (a shared
@@ -156,7 +177,7 @@ def gpu_turn(lock: Path, shared: bool = False):
     neither opening nor measuring."""
     if lock in _TURNS_HELD:
         if _TURNS_HELD[lock] and not shared:
-            raise RuntimeError(f"a measurement inside shared GPU work ({lock}): take the alone turn outside it")
+            raise RuntimeError(f"a measurement inside shared {what} work ({lock}): take the alone turn outside it")
         yield
         return
     gate = lock.with_suffix(".gate")
@@ -171,7 +192,7 @@ def gpu_turn(lock: Path, shared: bool = False):
                 held.enter_context(file_lock(gate, fcntl.LOCK_EX))
             held.enter_context(file_lock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX))
             if not shared:
-                log.info("GPU turn alone after waiting %.2f s for other GPU work to end", time.monotonic() - asked)
+                log.info("%s turn alone after waiting %.2f s for other %s work to end", what, time.monotonic() - asked, what)
             yield
     finally:
         del _TURNS_HELD[lock]

@@ -97,3 +97,80 @@ def test_a_measurement_logs_how_long_it_waited_for_its_turn(tmp_path, caplog):
         work.join(10)
     waits = [float(m) for m in re.findall(r"GPU turn alone after waiting ([0-9.]+) s", caplog.text)]
     assert len(waits) == 2 and waits[0] < 0.5 and 1.0 < waits[1] < 5, caplog.text
+
+
+# The CPU's turn: every workflow job holds the cores shared (jobserver.call); a step that measures
+# takes them alone while it measures (timing.device_lock on a CPU target).
+JOB_STEPS = '''
+import time
+from quantstudy.timing import device_lock, measures_speed
+
+def hold(seconds):
+    time.sleep(seconds)
+
+@measures_speed
+def measure():
+    with device_lock("cpu"):
+        pass
+
+def measure_unmarked():
+    with device_lock("cpu"):
+        pass
+'''
+
+
+@pytest.fixture
+def job_steps(tmp_path, monkeypatch):
+    """Steps in a module of their own, run as jobs are (jobserver.call), on a CPU lock of the test's own."""
+    from quantstudy import timing
+
+    (tmp_path / "job_steps.py").write_text(JOB_STEPS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(timing, "CPU_LOCK", tmp_path / "cpu.lock")
+    return timing.CPU_LOCK
+
+
+def _job(target, kwargs, done):
+    from quantstudy import jobserver
+
+    jobserver.call(target, None, kwargs)
+    done.value = time.monotonic()
+
+
+def test_a_cpu_measurement_waits_for_the_jobs_beside_it_to_end(job_steps):
+    """On 2 cores, a build beside a timing moved one engine's median up to 4x between the jobs of a run."""
+    import torch  # noqa: F401  imported before the clock starts: device_lock imports it
+
+    from quantstudy.timing import device_lock
+
+    done = FORK.Value("d", 0.0)
+    job = FORK.Process(target=_job, args=("job_steps:hold", {"seconds": 2.0}, done))
+    job.start()
+    deadline = time.monotonic() + 10
+    while not job_steps.exists() or _free(job_steps):  # until the job holds its shared turn
+        assert time.monotonic() < deadline, "the job never took its turn on the cores"
+        time.sleep(0.01)
+    with device_lock("cpu"):
+        acquired = time.monotonic()
+    job.join(10)
+    assert job.exitcode == 0 and 0 < done.value <= acquired
+
+
+def _free(lock) -> bool:
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+
+
+def test_only_a_step_marked_as_measuring_takes_the_cores_alone_in_its_job(job_steps):
+    """A measuring step's job holds no shared turn (its measurement would be refused inside one); any
+    other step's job does, so a measurement in it is refused rather than run beside other work."""
+    from quantstudy import jobserver
+
+    jobserver.call("job_steps:measure", None, {})
+    with pytest.raises(RuntimeError, match="measurement inside shared CPU work"):
+        jobserver.call("job_steps:measure_unmarked", None, {})

@@ -192,9 +192,9 @@ class Study:
         return self.raw["datasets"][self.sample_spec(name)["dataset"]]
 
     @property
-    def reproduce_tolerance(self) -> dict[str, float]:
-        """How far a re-executed timing job may come from its record: {"x": relative, "ms": relative}."""
-        return self.raw["timing"]["reproduce"]
+    def min_effect(self) -> dict[str, float]:
+        """The smallest change of a timing that counts (compare.compare): {"x": share, "ms": share}."""
+        return self.raw["timing"]["min_effect"]
 
     @property
     def evaluation_repeats(self) -> int:
@@ -387,9 +387,9 @@ def _path(p: str | Path) -> Path:
     return p if p.is_absolute() else ROOT / p
 
 
-# How far a re-executed timing job may come from its record, relative (`timing.reproduce`): x is a
-# ratio of paired rounds and moves less between jobs than a median time does.
-REPRODUCE_TOLERANCE = {"x": 0.05, "ms": 0.10}
+# The smallest change of a timing that counts (`timing.min_effect`, shares): x is a ratio of paired
+# rounds and moves less between jobs than a median time does.
+MIN_EFFECT = {"x": 0.05, "ms": 0.10}
 
 
 def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, against_code: bool = True,
@@ -406,7 +406,7 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
     _validate(doc, "study.schema.yaml", where)
     # One timing job and one evaluation job per engine unless asked; int: the schema's integer also admits 2.0.
     doc["timing"]["repeats"] = int(doc["timing"].get("repeats", 1))
-    doc["timing"]["reproduce"] = {**REPRODUCE_TOLERANCE, **doc["timing"].get("reproduce", {})}
+    doc["timing"]["min_effect"] = {**MIN_EFFECT, **doc["timing"].get("min_effect", {})}
     doc.setdefault("reference_dtype", "float32")
     doc.setdefault("quality_against", [])
     doc["evaluation"] = {"repeats": int((doc.get("evaluation") or {}).get("repeats", 1))}

@@ -15,32 +15,33 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from quantstudy import devtools, timing
+from quantstudy import compare, devtools
 from quantstudy.artifacts import DamagedArtifact, gpu_name, leaves, now, provenance, read_json, write_json
 
-# How close a re-executed job's numbers must come to the recorded ones.
-# - evaluate: every number of quality.json (metric blocks, non-finite counts, probe). The same
-#   engine on the same inputs on one CPU thread sums in one order: bit for bit (0). A GPU may pick
-#   another GEMM algorithm or reduction order between processes: relative 1e-5.
-# - time: x and the median ms of each graph, within the study's `timing.reproduce` share of the
-#   re-executed job's value, or the spread of that job's middle rounds where wider (compare_timing).
+# How a re-executed job's numbers are compared with the recorded ones: by compare.compare, the one
+# comparison (a difference counts when it is significant and beyond a minimum effect).
+# - evaluate: every number of quality.json (metric blocks, non-finite counts, probe), exact values. The same
+#   engine on the same inputs on one CPU thread sums in one order: bit for bit (minimum effect 0). A GPU
+#   may pick another GEMM algorithm or reduction order between processes: relative 1e-5.
+# - time: x and the median ms of each graph (compare_timing), with the study's minimum effects
+#   (`timing.min_effect`) and its noise between jobs (timing_noise).
 QUALITY_TOLERANCE = {"cpu": 0.0, "cuda": 1e-5}
 SKIP_KEYS = frozenset({"provenance", "content_sha256", "schema", "schema_version"})
 
 
 def compare_quality(recorded: dict[str, Any], reproduced: dict[str, Any], tolerance: float) -> list[dict[str, Any]]:
-    """Every number (or string) of two quality.json that differs beyond `tolerance` (relative)."""
+    """Every number (or string) of two quality.json whose difference counts beyond `tolerance`, a share of
+    the larger magnitude (exact values: no samples, no spread between jobs)."""
     a, b = leaves(recorded, skip=SKIP_KEYS), leaves(reproduced, skip=SKIP_KEYS)
     diffs = []
     for key in sorted(set(a) | set(b)):
         x, y = a.get(key), b.get(key)
-        numbers = isinstance(x, (int, float)) and isinstance(y, (int, float)) and not isinstance(x, bool)
-        if numbers and abs(x - y) <= tolerance * max(abs(x), abs(y)):
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y))
+        if numbers and not compare.compare(compare.exact(x), compare.exact(y), tolerance, kind="difference").counts:
             continue
         if not numbers and x == y:
             continue
@@ -48,41 +49,63 @@ def compare_quality(recorded: dict[str, Any], reproduced: dict[str, Any], tolera
     return diffs
 
 
-def middle_spread(samples: list[float]) -> float:
-    """The interquartile range of a job's rounds: how far its median may move between jobs. Not the
-    whole range, which one stalled round widens as far as it likes while the median stays put (on a busy
-    2-core machine a re-executed job's range once let a timing forged 4 times faster pass)."""
-    if len(samples) < 2:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
-    return q3 - q1
-
-
-def compare_timing(recorded: dict[str, Any], reproduced: dict[str, Any], tolerance: dict[str, float]
-                   ) -> list[dict[str, Any]]:
-    """x and the median ms of every graph, each against the re-executed job's value: beyond `tolerance`
-    (relative: {"x", "ms"}) of it, or the middle spread of its rounds (of their paired ratios for x)
-    where that is wider. Nothing is taken from the record but the values compared."""
+def compare_timing(recorded: dict[str, Any], reproduced: dict[str, Any], min_effect: dict[str, float],
+                   noise: dict[str, float]) -> list[dict[str, Any]]:
+    """x and the median ms of every graph whose change from the record to the re-executed job counts
+    (compare.compare, as ratios): beyond `min_effect` ({"x", "ms"}, shares) and beyond the noise, which is
+    the re-executed job's rounds (resampled; paired for x) and the study's spread between jobs (`noise`,
+    {"x", "ms"}: timing_noise). The record's own rounds decide nothing: a forger could widen them."""
     diffs = []
     for g in sorted(set(recorded.get("graphs", {})) | set(reproduced.get("graphs", {}))):
         r, p = recorded.get("graphs", {}).get(g), reproduced.get("graphs", {}).get(g)
         if r is None or p is None or r.get("x") is None or p.get("x") is None:
             diffs.append({"key": f"graphs.{g}.x", "recorded": r and r.get("x"), "reproduced": p and p.get("x"),
-                          "tolerance": None})
+                          "change": None})
             continue
-        # (key, recorded, reproduced, how far apart they may be)
-        ratios = timing.round_ratios(p["baseline_ms"]["samples_ms"], p["variant_ms"]["samples_ms"])
-        compared = [("x", r["x"], p["x"], max(middle_spread(ratios), tolerance["x"] * abs(p["x"])))]
-        compared += [(f"{ms}.median_ms", r[ms]["median_ms"], p[ms]["median_ms"],
-                      max(middle_spread(p[ms]["samples_ms"]), tolerance["ms"] * p[ms]["median_ms"]))
-                     for ms in ("variant_ms", "baseline_ms")]
-        for key, mine, theirs, limit in compared:
-            if abs(mine - theirs) > limit:
-                diffs.append({"key": f"graphs.{g}.{key}", "recorded": mine, "reproduced": theirs, "tolerance": limit})
+        x = compare.speedup_of(p["baseline_ms"]["samples_ms"], p["variant_ms"]["samples_ms"])
+        changes = {"x": compare.compare(x.at(r["x"]), x, min_effect["x"], noise["x"])}
+        for ms in ("variant_ms", "baseline_ms"):
+            m = compare.median_of(p[ms]["samples_ms"])
+            changes[f"{ms}.median_ms"] = compare.compare(m.at(r[ms]["median_ms"]), m, min_effect["ms"], noise["ms"])
+        for key, change in changes.items():
+            if change.counts:
+                diffs.append({"key": f"graphs.{g}.{key}", "recorded": change.a, "reproduced": change.b,
+                              "change": change.as_dict()})
     if recorded.get("engine_sha256") != reproduced.get("engine_sha256"):
         diffs.append({"key": "engine_sha256", "recorded": recorded.get("engine_sha256"),
-                      "reproduced": reproduced.get("engine_sha256"), "tolerance": None})
+                      "reproduced": reproduced.get("engine_sha256"), "change": None})
     return diffs
+
+
+def detectable(reproduced: dict[str, Any], min_effect: dict[str, float], noise: dict[str, float]) -> dict[str, float]:
+    """Per graph, the smallest factor on x by which a record may differ from this re-executed job and be
+    caught (compare.Change.detectable): what this check can and cannot see."""
+    return {g: compare.compare(x.at(x.value), x, min_effect["x"], noise["x"]).detectable()
+            for g, p in reproduced.get("graphs", {}).items() if p.get("x") is not None
+            for x in [compare.speedup_of(p["baseline_ms"]["samples_ms"], p["variant_ms"]["samples_ms"])]}
+
+
+def timing_noise(timings: list[dict[str, Any]]) -> dict[str, Any]:
+    """The study's spread between jobs (compare.noise_between_jobs), from its timing JSONs:
+    - ms: one baseline engine's median across the jobs that timed it (each variant of a setting times its
+      baseline beside it), pooled over the baselines of every target, model, setting and graph;
+    - x: one variant's x across its repeat jobs (`timing.repeats`), pooled; where the study has no repeats,
+      the ms spread stands for it (x is a ratio of paired rounds: it moves less between jobs than an engine's
+      median does).
+    A forged job barely moves it: it is pooled over every job of the study."""
+    baselines: dict[tuple, list[float]] = {}
+    xs: dict[tuple, list[float]] = {}
+    for doc in timings:
+        if doc.get("status") != "ok":
+            continue
+        where = tuple(doc.get(k) for k in ("target", "model", "setting"))
+        for g, graph in doc["graphs"].items():
+            baselines.setdefault((*where, g, doc["baseline"]), []).append(graph["baseline_ms"]["median_ms"])
+            xs.setdefault((*where, g, doc["variant"]), []).append(graph["x"])
+    ms, ms_dof = compare.noise_between_jobs(list(baselines.values()))
+    x, x_dof = compare.noise_between_jobs(list(xs.values()))
+    return {"ms": ms, "ms_dof": ms_dof, "x": x if x_dof else ms, "x_dof": x_dof,
+            "x_from": "repeats" if x_dof else "the baselines' ms"}
 
 
 def _device_allows(doc: dict[str, Any]) -> str | None:
@@ -155,7 +178,9 @@ def reproduce(study_dir: str | Path, configfile: str, jobs: list[str], scratch: 
     scratch = Path(scratch or tempfile.mkdtemp(prefix=f"reproduce-{study_dir.name}-"))
     report: dict[str, Any] = {"study": study_dir.name, "configfile": configfile, "scratch": str(scratch),
                               "jobs": [], "skipped": []}
-    timing_tolerance = config.run_of_study(configfile, study_dir.name).studies[study_dir.name].reproduce_tolerance
+    min_effect = config.run_of_study(configfile, study_dir.name).studies[study_dir.name].min_effect
+    noise = timing_noise([read_json(p, "timing") for p in candidates(study_dir)["time"]])
+    report["timing_noise"], report["min_effect"] = noise, min_effect
     recorded, runnable = {}, []
     for path in jobs:
         try:
@@ -195,13 +220,23 @@ def reproduce(study_dir: str | Path, configfile: str, jobs: list[str], scratch: 
             job["differences"] = compare_quality(recorded[path], new, tolerance)
             job["ok"] = not job["differences"]
         else:
-            job["differences"] = compare_timing(recorded[path], new, timing_tolerance)
+            job["differences"] = compare_timing(recorded[path], new, min_effect, noise)
+            job["detectable_x"] = detectable(new, min_effect, noise)
             job["ok"] = not job["differences"]
         report["jobs"].append(job)
     report["ok"] = bool(report["jobs"]) and all(j["ok"] for j in report["jobs"])
     report["provenance"] = provenance("reproduce", {p: p for p in recorded}, {"configfile": configfile}, started)
     write_json(out or scratch / "reproduce.json", "reproduce", report)
     return report
+
+
+def _why(d: dict[str, Any]) -> str:
+    """How far apart a difference is and what it is measured against."""
+    c = d.get("change")
+    if c is not None:
+        return (f" (x {c['estimate']:.3f}, {c['level']:.0%} interval {c['low']:.3f} to {c['high']:.3f}, "
+                f"minimum effect {c['min_effect']:g})")
+    return f" (tolerance {d['tolerance']:g})" if d.get("tolerance") is not None else ""
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -212,8 +247,9 @@ def summary(report: dict[str, Any]) -> str:
         if j.get("problem"):
             lines.append(f"      {j['problem']}")
         for d in j.get("differences", [])[:10]:
-            lines.append(f"      {d['key']}: recorded {d['recorded']!r}, reproduced {d['reproduced']!r}"
-                         + (f" (tolerance {d['tolerance']:g})" if d["tolerance"] is not None else ""))
+            lines.append(f"      {d['key']}: recorded {d['recorded']!r}, reproduced {d['reproduced']!r}" + _why(d))
+        for g, factor in j.get("detectable_x", {}).items():
+            lines.append(f"      {g}: catches a record whose x is {factor:.2f} times off or more")
         if len(j.get("differences", [])) > 10:
             lines.append(f"      ... and {len(j['differences']) - 10} more")
     for s in report["skipped"]:

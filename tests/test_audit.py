@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import math
+
+import pytest
 
 from quantstudy import audit
 from quantstudy.audit import one_engine_problems, probes_differ
-from quantstudy.reproduce import compare_quality, compare_timing
+from quantstudy.reproduce import compare_quality, compare_timing, timing_noise
 
 
 def _probe(values):
@@ -42,58 +45,101 @@ def test_quality_is_compared_number_by_number_and_provenance_is_not():
     assert compare_quality(recorded, close, 0.0) != [] and compare_quality(recorded, close, 1e-5) == []
 
 
-def _timing(x, variant, baseline, engine="e"):
-    """A timing.json's compared values: x, and each graph's round samples with their median."""
-    summary = lambda samples: {"median_ms": sorted(samples)[len(samples) // 2], "samples_ms": samples}  # noqa: E731
+def _timing(variant, baseline, engine="e", x=None):
+    """A timing.json's compared values: each graph's round samples with their median, and x (of the
+    medians unless given: a forger's own)."""
+    import statistics
+
+    summary = lambda samples: {"median_ms": statistics.median(samples), "samples_ms": samples}  # noqa: E731
+    x = statistics.median(baseline) / statistics.median(variant) if x is None else x
     return {"engine_sha256": {"main": engine},
             "graphs": {"main": {"x": x, "variant_ms": summary(variant), "baseline_ms": summary(baseline)}}}
 
 
-TOLERANCE = {"x": 0.05, "ms": 0.10}
-STEADY = [1.0] * 5  # a variant's rounds, all alike: x is the baseline's round over 1.0
+MIN_EFFECT = {"x": 0.05, "ms": 0.10}
+QUIET = {"x": 0.02, "ms": 0.03}  # a quiet machine's spread between jobs (sd of log)
+# Nine rounds of an engine at 1 ms, within +-1%, and its baseline's at 1.2 ms: x 1.2.
+VARIANT = [0.99, 1.0, 1.01, 1.0, 0.995, 1.005, 1.0, 0.99, 1.01]
+BASELINE = [1.2 * t for t in [1.0, 1.01, 0.99, 1.0, 1.0, 0.995, 1.005, 1.01, 0.99]]
 
 
-def test_timing_x_is_compared_within_the_reexecuted_jobs_middle_spread_or_the_study_share():
-    """Never within the record's own spread: a forger who widens it gains nothing."""
-    rerun = _timing(1.14, STEADY, [1.13, 1.14, 1.14, 1.14, 1.15])
-    assert compare_timing(_timing(1.10, STEADY, [0.5, 1.0, 1.1, 1.5, 2.0]), rerun, TOLERANCE) == []  # 0.04 <= 0.057
-    [d] = compare_timing(_timing(1.10, STEADY, [0.5, 1.0, 1.1, 1.5, 2.0]), _timing(1.20, STEADY, [1.2] * 5), TOLERANCE)
-    assert d["key"] == "graphs.main.x" and abs(d["tolerance"] - 0.06) < 1e-12  # 0.10 > 5% of 1.20
-    # the re-executed job's middle spread, where wider than the study's share: rounds' x 1.1 to 1.3, 0.10 <= 0.20
-    wide = [1.0, 1.1, 1.2, 1.3, 1.4]
-    assert compare_timing(_timing(1.10, STEADY, wide), _timing(1.20, STEADY, wide), TOLERANCE) == []
-    # ... of the rounds' x, baseline over variant: 2.0 to 4.0 here, so 1.5 from 3.0 is within (their inverses
-    # spread 0.25 to 0.5, which would not allow it)
-    steps = [1.0, 2.0, 3.0, 4.0, 5.0]
-    assert compare_timing(_timing(1.5, STEADY, steps), _timing(3.0, STEADY, steps), TOLERANCE) == []
-    assert compare_timing(_timing(1.1, STEADY, wide), _timing(1.1, STEADY, wide, engine="f"),
-                          TOLERANCE)[0]["key"] == "engine_sha256"
+def scaled(samples, factor):
+    return [t * factor for t in samples]
 
 
-def test_one_stalled_round_does_not_widen_the_tolerance():
+def test_an_honest_reexecution_agrees_with_its_record():
+    """Another job of the same engines: every round 2% slower and x 1% lower, within the noise."""
+    recorded = _timing(VARIANT, BASELINE)
+    rerun = _timing(scaled(VARIANT, 1.02 * 1.01), scaled(BASELINE, 1.02))
+    assert compare_timing(recorded, rerun, MIN_EFFECT, QUIET) == []
+
+
+def test_a_self_consistent_forgery_beyond_the_noise_is_caught():
+    """The variant's rounds all 1.5 times faster, x and medians made to agree with them: x 1.8 recorded,
+    1.2 re-executed, 0.667 of the record, far outside its interval (about 0.62 to 0.72 and 1 / 1.05)."""
+    forged = _timing(scaled(VARIANT, 1 / 1.5), BASELINE)
+    diffs = compare_timing(forged, _timing(VARIANT, BASELINE), MIN_EFFECT, QUIET)
+    assert [d["key"] for d in diffs] == ["graphs.main.x", "graphs.main.variant_ms.median_ms"]
+    x = diffs[0]["change"]
+    assert diffs[0]["recorded"] == pytest.approx(1.8) and diffs[0]["reproduced"] == pytest.approx(1.2)
+    assert x["estimate"] == pytest.approx(1 / 1.5) and x["high"] < 1 / 1.05 and x["counts"]
+
+
+def test_a_forgery_inside_the_spread_between_jobs_is_not_claimed():
+    """x 10% better recorded: beyond the minimum effect, but where one job's x moves by 4% (sd) between
+    jobs, two jobs are told apart only beyond exp(2.576 x 0.04 x sqrt 2) = 1.157; at 2%, beyond 1.076."""
+    forged = _timing(scaled(VARIANT, 1 / 1.1), BASELINE)
+    assert compare_timing(forged, _timing(VARIANT, BASELINE), MIN_EFFECT, {"x": 0.04, "ms": 0.04}) == []
+    assert compare_timing(forged, _timing(VARIANT, BASELINE), MIN_EFFECT, QUIET) != []
+
+
+def test_the_records_own_rounds_decide_nothing():
+    """A forger who widens the recorded rounds (same medians) gains nothing: the re-executed job's rounds
+    are the noise of both."""
+    wide = [0.5, 0.6, 0.62, 0.64, 0.667, 0.7, 0.8, 1.0, 1.2]  # median 0.667: x 1.8
+    forged = _timing(wide, [1.2] * 9)
+    diffs = compare_timing(forged, _timing(VARIANT, BASELINE), MIN_EFFECT, QUIET)
+    assert diffs and diffs[0]["key"] == "graphs.main.x"
+
+
+def test_one_stalled_round_does_not_widen_the_interval():
     """A re-executed job with one round far slower than the rest (a busy machine): its median stands, and
-    so does the tolerance around it. Rounds' x 1.19 to 3.0, middle 1.2 to 1.2: x 1.5 recorded is 0.3 from
-    1.2, beyond 5% (0.06); a variant recorded at 0.25 ms against 1.0 is beyond 10% (0.1)."""
-    rerun = _timing(1.2, STEADY, [1.19, 1.2, 1.2, 1.2, 3.0])
-    [d] = compare_timing(_timing(1.5, STEADY, [1.19, 1.2, 1.2, 1.2, 3.0]), rerun, TOLERANCE)
-    assert (d["key"], d["recorded"], d["reproduced"]) == ("graphs.main.x", 1.5, 1.2)
-    assert abs(d["tolerance"] - 0.06) < 1e-12
-    rerun = _timing(1.2, [1.0, 1.0, 1.0, 1.0, 5.0], [1.2] * 5)
-    forged = _timing(1.2, [0.25] * 5, [1.2] * 5)
-    diffs = compare_timing(forged, rerun, TOLERANCE)
-    assert [(d["key"], d["recorded"], d["reproduced"]) for d in diffs] == [("graphs.main.variant_ms.median_ms", 0.25, 1.0)]
-    assert abs(diffs[0]["tolerance"] - 0.1) < 1e-12
+    so does its interval (a resample's median is the stalled round with a chance of 0.15%, under the 0.5%
+    either side of a 99% interval). x forged 1.25 times is caught."""
+    stalled = _timing(VARIANT, BASELINE[:8] + [3.6])
+    forged = _timing(scaled(VARIANT, 1 / 1.25), BASELINE)
+    assert [d["key"] for d in compare_timing(forged, stalled, MIN_EFFECT, QUIET)][0] == "graphs.main.x"
 
 
 def test_timing_ms_are_compared_as_well_as_x():
-    """Both medians halved: x stands, the ms do not (allowed: 10% of the variant's 2.0, wider than its
-    middle spread 0.1; the baseline's middle spread 0.3, wider than 10% of its 2.2)."""
-    variant, baseline = [1.9, 1.95, 2.0, 2.05, 2.1], [1.9, 2.05, 2.2, 2.35, 2.5]
-    halved = lambda samples: [t / 2 for t in samples]  # noqa: E731
-    diffs = compare_timing(_timing(1.1, halved(variant), halved(baseline)), _timing(1.1, variant, baseline), TOLERANCE)
-    assert [(d["key"], d["recorded"], d["reproduced"]) for d in diffs] == [
-        ("graphs.main.variant_ms.median_ms", 1.0, 2.0), ("graphs.main.baseline_ms.median_ms", 1.1, 2.2)]
-    assert abs(diffs[0]["tolerance"] - 0.2) < 1e-12 and abs(diffs[1]["tolerance"] - 0.3) < 1e-12
+    """Both medians halved: x stands, the ms do not."""
+    diffs = compare_timing(_timing(scaled(VARIANT, 0.5), scaled(BASELINE, 0.5)), _timing(VARIANT, BASELINE),
+                           MIN_EFFECT, QUIET)
+    assert [(d["key"], round(d["recorded"], 3), round(d["reproduced"], 3)) for d in diffs] == [
+        ("graphs.main.variant_ms.median_ms", 0.5, 1.0), ("graphs.main.baseline_ms.median_ms", 0.6, 1.2)]
+
+
+def test_another_engine_is_a_difference_whatever_its_times():
+    diffs = compare_timing(_timing(VARIANT, BASELINE), _timing(VARIANT, BASELINE, engine="f"), MIN_EFFECT, QUIET)
+    assert [d["key"] for d in diffs] == ["engine_sha256"]
+
+
+def test_the_studys_noise_between_jobs_is_pooled_from_its_timings():
+    """One baseline timed beside two variants at 1.0 and e^0.2 ms (log sd 0.1414), another beside one
+    variant only (no spread to see); no repeats, so x takes the ms spread. With repeats of one variant at
+    x e^0.1 and e^-0.1, x has its own: 0.1414."""
+    def job(variant, baseline_ms, x=1.0, setting="s"):
+        return {"status": "ok", "target": "t", "model": "m", "setting": setting, "variant": variant,
+                "baseline": "fp16", "graphs": {"main": {"x": x, "baseline_ms": {"median_ms": baseline_ms}}}}
+    docs = [job("fp8", 1.0), job("fp8-b", math.exp(0.2)), job("fp8", 5.0, setting="other")]
+    noise = timing_noise(docs)
+    assert noise["ms"] == pytest.approx(math.sqrt(0.02)) and noise["ms_dof"] == 1
+    assert noise["x"] == noise["ms"] and noise["x_from"] == "the baselines' ms"
+    repeated = timing_noise(docs + [job("fp8", 1.0, x=math.exp(0.1)), job("fp8", 1.0, x=math.exp(-0.1), setting="z"),
+                                    job("fp8", 1.0, x=math.exp(-0.1))])
+    assert repeated["x_from"] == "repeats" and repeated["x_dof"] == 2
+    # fp8 at s: x 1.0 (first job), e^0.1 and e^-0.1: logs 0, 0.1, -0.1, sd 0.1
+    assert repeated["x"] == pytest.approx(0.1)
 
 
 def test_probes_are_compared_between_the_jobs_of_one_setting():

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from quantstudy.devtools import copy_checkout, planned_jobs, snakemake
+from quantstudy.devtools import copy_checkout, forge_faster, planned_jobs, rewrite_json, snakemake
 
 pytestmark = pytest.mark.workflow
 
@@ -336,16 +336,6 @@ def test_the_chain_names_the_first_broken_link(workflow_copy, tmp_path):
     assert doc["status"] == "failed" and f"{engine} is not the file the build of fp8 made" in doc["error"]
 
 
-def _forge(path: Path, edit) -> None:
-    """Edit a measurement JSON as a careful forger would: change a value, then recompute its digest."""
-    from quantstudy.artifacts import write_json
-
-    doc = json.loads(path.read_text())
-    edit(doc)
-    write_json(path, doc["schema"], {k: v for k, v in doc.items() if k not in ("schema", "schema_version",
-                                                                              "content_sha256")})
-
-
 def test_reproduce_reruns_a_sample_of_the_measurements_and_they_agree(workflow_copy, tmp_path):
     """An untampered run: the re-executed evaluation gives every number of its quality.json bit for bit."""
     proc = _audit_cli(workflow_copy, "reproduce", "results/fnet", "--configfile", ".test/config.yaml",
@@ -360,19 +350,6 @@ def test_reproduce_reruns_a_sample_of_the_measurements_and_they_agree(workflow_c
     assert "every re-executed job agrees with its record" in proc.stdout
 
 
-def _quarter_variant_time(doc: dict) -> None:
-    """A timing forged with care: the variant's round samples divided by 4, and its summary and x made
-    again from them as the time job makes them, so that every derived number agrees with the samples.
-    (Halved, the ms once passed: the re-executed tiny job's 1-call rounds on a busy 2-core CI machine
-    spread wider than half the median; x was caught. Quartered, the ms passed once more while the
-    tolerance was the rounds' whole range, which one stalled round widens; it is their middle spread now.)"""
-    from quantstudy import timing
-
-    g = doc["graphs"]["main"]
-    g["variant_ms"] = timing.summarize([t / 4 for t in g["variant_ms"]["samples_ms"]])
-    g.update(timing.speedup(g["baseline_ms"]["samples_ms"], g["variant_ms"]["samples_ms"]))
-
-
 def test_a_forged_result_with_its_digest_recomputed_is_caught_by_reproduce(workflow_copy, tmp_path):
     """A quality value, and a timing whose samples, ms and x were all forged consistently, with their
     digests recomputed, then `snakemake` again: every hash on the chain and every derived number agree
@@ -382,8 +359,8 @@ def test_a_forged_result_with_its_digest_recomputed_is_caught_by_reproduce(workf
     repo = tmp_path / "repo"
     shutil.copytree(workflow_copy, repo, symlinks=True)
     variant = "results/fnet/cpu-torch/fnet-base/w512/fp8"
-    _forge(repo / variant / "quality.json", lambda d: d["blocks"]["mlm"].update(top1_agreement=0.999))
-    _forge(repo / variant / "timing.json", _quarter_variant_time)
+    rewrite_json(repo / variant / "quality.json", lambda d: d["blocks"]["mlm"].update(top1_agreement=0.999))
+    rewrite_json(repo / variant / "timing.json", lambda d: forge_faster(d, 4))
     proc = snakemake(repo, "--configfile", ".test/config.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((repo / "results/fnet/audit.json").read_text())["ok"]
@@ -408,7 +385,7 @@ def test_a_forged_x_or_table_cell_fails_the_audit_that_makes_it_again(workflow_c
     repo = tmp_path / "repo"
     shutil.copytree(workflow_copy, repo, symlinks=True)
     timing = "results/fnet/cpu-torch/fnet-base/w512/fp8/timing.json"
-    _forge(repo / timing, lambda d: d["graphs"]["main"].update(x=5.0, x_min=4.0, x_max=6.0))
+    rewrite_json(repo / timing, lambda d: d["graphs"]["main"].update(x=5.0, x_min=4.0, x_max=6.0))
     proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
     assert proc.returncode != 0
     log = (repo / "logs/fnet/audit.log").read_text()
@@ -424,7 +401,7 @@ def test_a_forged_x_or_table_cell_fails_the_audit_that_makes_it_again(workflow_c
     def forge_tables(d):
         d["speed"][row]["x"] = 1.5
         d["decision"]["ship"] = True
-    _forge(repo / "results/fnet/tables.json", forge_tables)
+    rewrite_json(repo / "results/fnet/tables.json", forge_tables)
     proc = snakemake(repo, "--configfile", ".test/config.yaml", "--forcerun", "render", "--keep-going")
     assert proc.returncode != 0
     log = (repo / "logs/fnet/audit.log").read_text()
@@ -455,7 +432,7 @@ def test_a_threshold_forged_in_the_recorded_arguments_fails_the_audit_against_th
     def lower_the_threshold(d):
         d["provenance"]["params"]["study"]["decision"]["conditions"][i]["threshold"] = 0.01
         d.update(artifacts.plain(aggregate.tables(aggregate.inputs_of(d), **d["provenance"]["params"])))
-    _forge(repo / "results/fnet/tables.json", lower_the_threshold)
+    rewrite_json(repo / "results/fnet/tables.json", lower_the_threshold)
     assert json.loads(Path("results/fnet/tables.json").read_text())["decision"]["conditions"][i]["pass"]
     proc = snakemake(repo, "--configfile", ".test/config.yaml", "--forcerun", "render", "--keep-going")
     assert proc.returncode != 0
@@ -481,7 +458,7 @@ def test_a_forged_sample_with_a_consistent_hash_fails_the_audit_that_draws_the_s
     def replace_passage(d):
         d["samples"][2]["text"] = "a passage the pinned dataset does not hold"
         [d["samples"][2]["sha256"]] = families.get("fnet").content_sha256([d["samples"][2]])
-    _forge(repo / heldout, replace_passage)
+    rewrite_json(repo / heldout, replace_passage)
     proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
     assert proc.returncode != 0
     log = (repo / "logs/fnet/audit.log").read_text()
@@ -500,7 +477,7 @@ def test_a_probe_that_differs_between_timing_and_evaluation_fails_the_audit(work
     timing = json.loads((repo / variant / "timing.json").read_text())
     quality = json.loads((repo / variant / "quality.json").read_text())
     assert timing["probe"] == quality["probe"] and timing["probe"]["main"]
-    _forge(repo / variant / "timing.json",
+    rewrite_json(repo / variant / "timing.json",
            lambda d: next(iter(d["probe"]["main"].values()))["values"].__setitem__(0, 1e3))
     proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
     assert proc.returncode != 0
@@ -517,7 +494,7 @@ def test_timing_and_evaluation_that_opened_different_compiled_programs_fail_the_
     repo = tmp_path / "repo"
     shutil.copytree(workflow_copy, repo, symlinks=True)
     variant = "results/fnet/cpu-torch/fnet-base/w512/fp8"
-    _forge(repo / variant / "quality.json", lambda d: d.update(compiled_sha256={"main": "0" * 64}))
+    rewrite_json(repo / variant / "quality.json", lambda d: d.update(compiled_sha256={"main": "0" * 64}))
     proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
     assert proc.returncode != 0
     log = (repo / "logs/fnet/audit.log").read_text()
@@ -534,7 +511,7 @@ def test_a_timing_job_whose_opening_autotuned_again_fails_the_audit(workflow_cop
     shutil.copytree(workflow_copy, repo, symlinks=True)
     variant = "results/fnet/cpu-torch/fnet-base/w512/fp8"
     assert json.loads((repo / variant / "timing.json").read_text())["open_redone"] == {"fp16-hs": {}, "fp8": {}}
-    _forge(repo / variant / "timing.json", lambda d: d.update(open_redone={"fp16-hs": {}, "fp8": {"main": {"autotuning": 2.5}}}))
+    rewrite_json(repo / variant / "timing.json", lambda d: d.update(open_redone={"fp16-hs": {}, "fp8": {"main": {"autotuning": 2.5}}}))
     proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
     assert proc.returncode != 0
     assert (f"{variant}/timing.json: opening the fp8 main engine redid work its build should have done (autotuning "
@@ -551,7 +528,7 @@ def test_a_tampered_revision_fails_the_audit(workflow_copy, tmp_path):
     shutil.copytree(workflow_copy, repo, symlinks=True)
     checkpoint = repo / "results/fnet/fnet-base/checkpoint.json"
     pinned = json.loads(checkpoint.read_text())["revision"]
-    _forge(checkpoint, lambda d: d.update(revision="0" * 40))
+    rewrite_json(checkpoint, lambda d: d.update(revision="0" * 40))
     proc = _audit_cli(repo, "check", "results/fnet", "--configfile", ".test/config.yaml")
     assert proc.returncode == 1
     assert f"says revision {'0' * 40}, but its snapshot is commit {pinned}" in proc.stdout

@@ -1,0 +1,84 @@
+"""How far one engine's time moves between the jobs of one run: the baseline's median ms in every timing job
+of a setting (each variant's job times its baseline beside it), max over min, per setting.
+
+    .venv/bin/python benchmarks/noise.py [RESULTS_DIR]      # a finished run (default results/)
+    .venv/bin/python benchmarks/noise.py --run [--cores 2]  # the embedded default in a copy of this checkout
+
+The goal for a quiet machine (issue 39): at most 1.25 for every setting of the embedded default. It also
+prints the noise model the comparisons use (reproduce.timing_noise: the spread between jobs, pooled),
+and with --run the main job's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from quantstudy.devtools import copy_checkout, snakemake
+from quantstudy.reproduce import timing_noise
+
+ROOT = Path(__file__).resolve().parent.parent
+GOAL = 1.25
+
+
+def baseline_medians(results: Path) -> dict[tuple, list[float]]:
+    """(study, target, model, setting, graph, baseline) -> the baseline's median ms in each job that timed it."""
+    groups: dict[tuple, list[float]] = {}
+    for path in sorted(results.glob("*/*/*/*/*/timing*.json")):
+        doc = json.loads(path.read_text())
+        if doc.get("status") != "ok":
+            continue
+        study = path.relative_to(results).parts[0]
+        for g, graph in doc["graphs"].items():
+            key = (study, doc["target"], doc["model"], doc["setting"], g, doc["baseline"])
+            groups.setdefault(key, []).append(graph["baseline_ms"]["median_ms"])
+    return groups
+
+
+def report(results: Path) -> float:
+    """Print the table and the noise per study; return the worst max / min."""
+    groups = baseline_medians(results)
+    print("| study | target | model | setting | graph | baseline | jobs | min ms | max ms | max / min |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    worst = 1.0
+    for key, ms in groups.items():
+        if len(ms) < 2:
+            continue
+        ratio = max(ms) / min(ms)
+        worst = max(worst, ratio)
+        print("| " + " | ".join(key) + f" | {len(ms)} | {min(ms):.4f} | {max(ms):.4f} | {ratio:.2f}"
+              + (" **over the goal**" if ratio > GOAL else "") + " |")
+    print(f"\nworst max / min: {worst:.2f} (goal: at most {GOAL})")
+    for study in sorted({k[0] for k in groups}):
+        docs = [json.loads(p.read_text()) for p in sorted((results / study).glob("*/*/*/*/timing*.json"))]
+        noise = timing_noise(docs)
+        print(f"{study}: spread between jobs (sd of log), ms {noise['ms']:.3f} ({noise['ms_dof']} dof), "
+              f"x {noise['x']:.3f} (from {noise['x_from']}, {noise['x_dof']} dof)")
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="?", type=Path, default=ROOT / "results")
+    parser.add_argument("--run", action="store_true", help="run the embedded default in a copy of this checkout")
+    parser.add_argument("--cores", type=int, default=2)
+    args = parser.parse_args()
+    if not args.run:
+        report(args.results)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = copy_checkout(ROOT, Path(tmp) / "repo")
+        start = time.perf_counter()
+        proc = snakemake(repo, cores=args.cores)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise SystemExit(proc.stderr[-3000:])
+        report(repo / "results")
+        print(f"embedded default, whole DAG ({args.cores} cores): {wall:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

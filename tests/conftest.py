@@ -48,6 +48,22 @@ def observed_amax(model, batches: list[dict]) -> dict:
     return {"amax": amax, "outliers": {"layers": []}}
 
 
+def rewritten(source: Path | dict, out: Path, edit=None) -> Path:
+    """An artifact (its path, or its doc as read) with `edit(body)` applied, written again to `out` by
+    write_json: its content digest matches the edit, so only a reader's other checks can tell (a file
+    made by hand or by another tool)."""
+    import json
+
+    from quantstudy import artifacts
+
+    doc = json.loads(Path(source).read_text()) if isinstance(source, (str, Path)) else source
+    body = {k: v for k, v in doc.items() if k not in ("schema", "schema_version", artifacts.DIGEST)}
+    if edit:
+        edit(body)
+    artifacts.write_json(out, doc["schema"], body)
+    return out
+
+
 # Backends as the suites name them: "torch-cuda" is the torch backend on a GPU with FP8 (real
 # _scaled_mm GEMMs, compiled, CUDA graph).
 ON_GPU = {"tensorrt", "torch-cuda"}

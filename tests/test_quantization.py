@@ -10,24 +10,9 @@ import torch
 
 from quantstudy import quantization as q, steps
 
+from conftest import reference_qdq
+
 E4M3_GRID = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
-
-
-def reference_qdq(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """Float64 QuantizeLinear (round half to even, saturate to +-448) then DequantizeLinear.
-
-    The scale is the float32 value the graph stores; the quotient x/scale is float32, as in ONNX.
-    """
-    scale = float(torch.tensor(scale, dtype=torch.float32))
-    grid = E4M3_GRID[torch.isfinite(E4M3_GRID)]
-    bits = torch.arange(256)[torch.isfinite(E4M3_GRID)]
-    order = torch.argsort(grid)
-    grid, bits = grid[order], bits[order]
-    v = (x.to(torch.float32) / torch.tensor(scale, dtype=torch.float32)).to(torch.float64).clamp(-448, 448)
-    idx = torch.searchsorted(grid, v).clamp(1, len(grid) - 1)
-    lo, hi = grid[idx - 1], grid[idx]
-    pick_hi = (hi - v < v - lo) | ((hi - v == v - lo) & (bits[idx] % 2 == 0))
-    return torch.where(pick_hi, hi, lo) * scale
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0 ** -7, 0.0123, 3.7])

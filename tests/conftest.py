@@ -48,6 +48,43 @@ def observed_amax(model, batches: list[dict]) -> dict:
     return {"amax": amax, "outliers": {"layers": []}}
 
 
+def rewritten(source: Path | dict, out: Path, edit=None) -> Path:
+    """An artifact (its path, or its doc as read) with `edit(body)` applied, written again to `out` by
+    write_json: its content digest matches the edit, so only a reader's other checks can tell (a file
+    made by hand or by another tool)."""
+    import json
+
+    from quantstudy import artifacts
+
+    doc = json.loads(Path(source).read_text()) if isinstance(source, (str, Path)) else source
+    body = {k: v for k, v in doc.items() if k not in ("schema", "schema_version", artifacts.DIGEST)}
+    if edit:
+        edit(body)
+    artifacts.write_json(out, doc["schema"], body)
+    return out
+
+
+def reference_qdq(x, scale: float):
+    """Float64 QuantizeLinear to float8_e4m3fn (round half to even, saturate to +-448) then
+    DequantizeLinear, from the format's table of values rather than torch's cast: what an FP8 layer's
+    Q/DQ should give, worked out apart from quantstudy.quantization.
+
+    The scale is the float32 value the graph stores; the quotient x/scale is float32, as in ONNX.
+    """
+    import torch
+
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
+    scale = float(torch.tensor(scale, dtype=torch.float32))
+    grid, bits = table[torch.isfinite(table)], torch.arange(256)[torch.isfinite(table)]
+    order = torch.argsort(grid)
+    grid, bits = grid[order], bits[order]
+    v = (x.to(torch.float32) / torch.tensor(scale, dtype=torch.float32)).to(torch.float64).clamp(-448, 448)
+    idx = torch.searchsorted(grid, v).clamp(1, len(grid) - 1)
+    lo, hi = grid[idx - 1], grid[idx]
+    pick_hi = (hi - v < v - lo) | ((hi - v == v - lo) & (bits[idx] % 2 == 0))
+    return torch.where(pick_hi, hi, lo) * scale
+
+
 # Backends as the suites name them: "torch-cuda" is the torch backend on a GPU with FP8 (real
 # _scaled_mm GEMMs, compiled, CUDA graph).
 ON_GPU = {"tensorrt", "torch-cuda"}

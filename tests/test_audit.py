@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 
@@ -184,6 +185,71 @@ def test_an_opening_that_redid_its_builds_work_is_a_problem():
     for clean in ({"schema": "quality", "open_redone": {"main": {"compiling": 0.0, "autotuning": 0.0}}},
                   {"schema": "quality", "open_redone": {}}, {"schema": "quality"}):
         assert audit.redone_problems("q.json", clean) == []
+
+
+def test_an_opening_that_redid_work_for_under_a_second_is_a_problem_too():
+    """Any redone work means the build's program lacks what the job ran, however quick: 0.2 s of autotuning."""
+    timing = {"schema": "timing", "open_redone": {"fp8": {"main": {"compiling": 0.0, "autotuning": 0.2}}}}
+    [problem] = audit.redone_problems("t.json", timing)
+    assert problem.startswith("t.json: opening the fp8 main engine redid work its build should have done (autotuning 0.2 s)")
+
+
+def _summary(samples):
+    """A timing.json's ms block as the time step records it (timing.summarize), written out by hand."""
+    median = sorted(samples)[len(samples) // 2]
+    return {"median_ms": median, "min_ms": min(samples), "max_ms": max(samples),
+            "spread": (max(samples) - min(samples)) / median, "samples_ms": samples}
+
+
+def test_the_audit_makes_x_again_from_the_round_samples():
+    """Three paired rounds, baseline 2.0 / 2.2 / 9.0 ms and variant 1.1 / 1.0 / 1.2 ms: x is 2.2 / 1.1 (the
+    medians), its range 2.0 / 1.1 to 9.0 / 1.2 (the rounds). A record saying so has no problem; one whose
+    x, or the top of its range, was edited has one, naming it, while its ms still agree with the samples."""
+    base, var = [2.0, 2.2, 9.0], [1.1, 1.0, 1.2]
+    graph = {"baseline_ms": _summary(base), "variant_ms": _summary(var), "x": 2.2 / 1.1, "x_min": 2.0 / 1.1,
+             "x_max": 9.0 / 1.2}
+    assert audit.timing_problems("t.json", {"graphs": {"main": graph}}) == []
+    [problem] = audit.timing_problems("t.json", {"graphs": {"main": {**graph, "x": 2.5}}})
+    assert problem == f"t.json: graph main's x is 2.5, but its round samples give {2.2 / 1.1!r}"
+    [problem] = audit.timing_problems("t.json", {"graphs": {"main": {**graph, "x_max": 9.0}}})
+    assert problem.startswith("t.json: graph main's x_max is 9.0, but its round samples give 7.5")
+
+
+def test_a_sample_list_whose_content_differs_from_its_datasets_is_a_problem(tiny_inputs):
+    """The tiny study's calibration list drawn again from its snapshot: as recorded, no problem; with one
+    sample's sha256 not its content's (its id unchanged), a problem naming that sample."""
+    from quantstudy import artifacts
+
+    path = str(tiny_inputs["calibration"])
+    doc = artifacts.read_json(path, "samples")
+    assert audit.redrawn_problems(path, doc, "fnet") == []
+    edited = copy.deepcopy(doc)
+    first = edited["samples"][1]
+    first["sha256"] = "0" * 64
+    [problem] = audit.redrawn_problems(path, edited, "fnet")
+    assert problem.startswith(f"{path}: sample 1 is {first['id']!r} (sha256 000000000000), but drawing the set "
+                              f"again from {doc['repo']} at {doc['revision']} gives {first['id']!r} (sha256 ")
+    assert problem.endswith("(1 of %d samples differ)" % len(doc["samples"]))
+
+
+def test_a_checkpoint_whose_snapshot_is_another_commits_is_a_problem(tiny_inputs, tmp_path):
+    """The tiny checkpoint.json, as fetched: no problem. The same files in a snapshot folder named for
+    another commit (what a cache holds for another revision), recorded with the pinned revision: a problem."""
+    import shutil
+
+    from quantstudy import artifacts
+
+    from conftest import rewritten
+
+    doc = artifacts.read_json(tiny_inputs["checkpoint"], "checkpoint")
+    assert len(doc["revision"]) == 40 and Path(doc["snapshot"]).name == doc["revision"]
+    assert [s.get("problem") for s in audit.walk(tiny_inputs["checkpoint"])] == [None]
+    other = "f" * 40
+    shutil.copytree(doc["snapshot"], tmp_path / "snapshots" / other)
+    moved = rewritten(doc, tmp_path / "checkpoint.json",
+                      lambda body: body.update(snapshot=str(tmp_path / "snapshots" / other)))
+    [step] = audit.walk(moved)
+    assert step["problem"] == f"says revision {doc['revision']}, but its snapshot is commit {other}"
 
 
 def test_a_job_on_another_card_than_its_targets_is_a_problem():

@@ -9,6 +9,7 @@ fp16 overflow (NaN) pattern.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 
@@ -18,7 +19,7 @@ import torch
 from quantstudy import backends, export, families, quantization
 from quantstudy.families.base import Setting
 
-from conftest import ON_GPU, backend_or_skip, observed_amax, target_for, tiny_checkpoint
+from conftest import ON_GPU, backend_or_skip, observed_amax, reference_qdq, target_for, tiny_checkpoint
 
 RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
           "dequantize_dtype": "float16"}
@@ -159,6 +160,59 @@ def test_backend_matches_torch_fake_quant(backend, model, variant, cases, tmp_pa
         assert diff.max() < 1e-2
     else:
         assert diff.max() <= tol, f"{backend} {model} {variant}: max abs diff {diff.max():.4g} > {tol}"
+
+
+# Each FP8 variant's FP8 layers and dequantize dtype, read off VARIANTS and RECIPE by hand (the tiny
+# models have two encoder layers): what apply_variant must give, for the backends to be compared with.
+PROJECTIONS = [f"fnet.encoder.layer.{i}.{p}.dense" for i in range(2) for p in ("intermediate", "output")]
+THE_RECIPE = {
+    "fp8": (PROJECTIONS, torch.float16),
+    "fp8-no-output-dense": ([n for n in PROJECTIONS if "intermediate" in n], torch.float16),
+    "fp8-fp32-dequantize": (PROJECTIONS, torch.float32),
+    "fp32-fp8-fp32-dequantize": (PROJECTIONS, torch.float32),
+}
+
+
+class ReferenceFP8Linear(torch.nn.Module):
+    """An FP8 layer worked out apart from quantization.FP8Linear: input and weight through reference_qdq with
+    scales amax / 448 rounded to the dequantize dtype, dequantized to it, the GEMM and bias in it."""
+
+    def __init__(self, linear: torch.nn.Linear, amax: dict, dequantize: torch.dtype, work: torch.dtype):
+        super().__init__()
+        scale = lambda a: float(torch.tensor(a / 448).to(dequantize))  # noqa: E731
+        self.input_scale, self.dequantize = scale(amax["input_amax"]), dequantize
+        self.weight = reference_qdq(linear.weight.detach().float(), scale(amax["weight_amax"])).float().to(dequantize)
+        self.bias = linear.bias.detach().to(work).to(dequantize)
+
+    def forward(self, x):
+        xq = reference_qdq(x, self.input_scale).float().to(self.dequantize)
+        return torch.nn.functional.linear(xq, self.weight, self.bias).to(x.dtype)
+
+
+@pytest.mark.parametrize("variant", sorted(THE_RECIPE))
+def test_the_fake_quant_variants_are_the_recipe(variant, cases):
+    """The backends are compared with apply_variant's module (case.expected): that module must be the recipe,
+    or every backend agrees with a wrong variant. Against the fp32 module in the variant's precision with
+    the hand-listed layers replaced by ReferenceFP8Linear: equal, bit for bit (one op order, one rounding)."""
+    case = cases("fnet-base", variant)
+    layers, dequantize = THE_RECIPE[variant]
+    work = quantization.DTYPES[case.spec["precision"]]
+    fp8 = [n for n, m in case.module.named_modules() if isinstance(m, quantization.FP8Linear)]
+    assert sorted(fp8) == sorted(layers), f"{variant}: FP8 layers {sorted(fp8)}, the recipe's {sorted(layers)}"
+    dtypes = {str(case.module.get_submodule(n).dequantize_dtype) for n in fp8}
+    assert dtypes == {str(dequantize)}, f"{variant}: its FP8 layers dequantize to {dtypes}, the recipe's to {dequantize}"
+    reference = families.get("fnet").module(case.checkpoint, "main", case.setting)
+    fp32 = {n: copy.deepcopy(reference.get_submodule(n)) for n in layers}
+    reference = reference.to(work)
+    for name in layers:
+        parent, _, child = name.rpartition(".")
+        setattr(reference.get_submodule(parent), child, ReferenceFP8Linear(fp32[name], case.amax["amax"][name],
+                                                                           dequantize, work))
+    with torch.no_grad():
+        want = torch.cat([reference.eval()(input_ids=case.ids[i:i + 1])["features"]
+                          for i in range(len(case.ids))]).float()
+    diff = (case.expected - want).abs().max().item()
+    assert torch.equal(case.expected, want), f"{variant}: apply_variant's module is {diff:.3g} from the recipe's"
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "tensorrt"])

@@ -82,6 +82,16 @@ def test_a_failed_candidate_measurement_gives_do_not_ship():
     assert "fp8-1-1/timing.json" in d["conditions"][-1]["note"]
 
 
+def test_a_damaged_candidate_file_gives_do_not_ship():
+    """A candidate's file aggregate could not read is a row of status "damaged" (aggregate._rows): no
+    more a success than a failed one, whatever the readable rows meet."""
+    q = quality(("fp8", 0.995, 0, "ok"), ("fp8", None, None, "damaged"), ("fp16", 0.999, 0, "ok"))
+    d = decide(study(TOP1), {"speed": speed(), "quality": q})
+    assert d["conditions"][0]["pass"] and not d["ship"]
+    assert d["conditions"][-1]["name"] == "every measurement of the candidate succeeded"
+    assert d["conditions"][-1]["note"] == "failed: fp8-1/quality.json"
+
+
 def test_a_nan_row_fails_the_condition():
     q = quality(("fp8", math.nan, 0, "ok"), ("fp8", 0.999, 0, "ok"))
     d = decide(study(TOP1), {"speed": speed(), "quality": q})
@@ -102,6 +112,15 @@ def test_direction_of_x():
     assert slower["x"] == 0.8
     d = decide(study(SPEED), {"speed": speed(("fp8", 1, slower["x"], "ok")), "quality": GOOD_Q})
     assert not d["ship"]
+
+
+def test_x_is_the_ratio_of_the_medians_and_its_range_that_of_the_paired_rounds():
+    """Rounds that differ, with one stalled baseline round (9.0): medians 2.2 / 1.1 give x 2.0 (the
+    means, 4.4 / 1.1, would give 4.0; the rounds' own ratios have median 2.2). The paired rounds' x
+    are 2.0 / 1.1, 2.2 / 1.0 and 9.0 / 1.2: from 1.818 to 7.5."""
+    got = timing.speedup(baseline=[2.0, 2.2, 9.0], variant=[1.1, 1.0, 1.2])
+    assert got["x"] == pytest.approx(2.0)
+    assert got["x_min"] == pytest.approx(2.0 / 1.1) and got["x_max"] == pytest.approx(7.5)
 
 
 KL_VS_FP16 = {"name": "KL at most 10 x fp16's", "table": "quality", "column": "wikitext.kl", "relative_to": "fp16",

@@ -312,6 +312,18 @@ def test_detection_agreement_counts_matches_of_label_and_iou():
     assert qm.detection_agreement([[]], [[]], 0.5, 0.5)["precision"] is None
 
 
+def test_detection_agreement_thresholds_are_at_least():
+    """A detection scoring exactly the score threshold counts, on either side; a box overlapping its
+    reference with IoU exactly the threshold matches: [0, 0, 10, 10] and [0, 0, 10, 5] share 50 of
+    100 pixels, IoU 0.5 (binary fractions, so no rounding)."""
+    ref = [[{"category_id": 1, "bbox": [0, 0, 10, 10], "score": 0.5}]]
+    eng = [[{"category_id": 1, "bbox": [0, 0, 10, 5], "score": 0.5}]]
+    assert qm.box_iou(ref[0][0]["bbox"], eng[0][0]["bbox"]) == 0.5
+    got = qm.detection_agreement(ref, eng, 0.5, 0.5)
+    assert (got["reference_detections"], got["engine_detections"], got["matched"]) == (1, 1, 1)
+    assert (got["precision"], got["recall"]) == (1.0, 1.0)
+
+
 def test_logit_correlation_of_known_cases():
     a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     assert qm.logit_correlation(a, 2 * a + 5) == pytest.approx(1.0)

@@ -24,17 +24,20 @@ def ident(variant: str) -> dict:
 
 @pytest.fixture(scope="module")
 def measured(tiny_inputs, tmp_path_factory):
-    """fp16, fp32 and a failed build of the tiny FNet, and the reference at 64 tokens."""
+    """fp16, fp32 and a failed build of the tiny FNet, and the reference at 64 tokens. The failed build
+    has a calibrated amax file: it fails for its `exclude: ["*"]`, nothing else."""
     out, study = tmp_path_factory.mktemp("against"), tiny_inputs["study"]
     checkpoint = str(tiny_inputs["checkpoint"])
     samples = {name: str(tiny_inputs["samples"][name]) for name in study.evaluation_samples}
     steps.reference("fnet", "fnet-base", SETTING, study.metrics, study.seeds, checkpoint, samples,
                     str(out / "reference.json"), str(out / "reference.safetensors"))
+    steps.calibrate("fnet", "fnet-base", SETTING, study.models["fnet-base"].architecture, study.recipe, checkpoint,
+                    str(tiny_inputs["calibration"]), str(out / "amax.json"))
     builds = {}
     for variant, spec in SPECS.items():
         builds[variant] = str(out / variant / "build.json")
         steps.build(ident(variant), "fnet", TARGET, SETTING, {}, spec, study.recipe, checkpoint,
-                    str(tiny_inputs["dir"] / "no-amax.json") if "fp8" in variant else None, builds[variant])
+                    str(out / "amax.json") if "fp8" in variant else None, builds[variant])
     return {"out": out, "study": study, "checkpoint": checkpoint, "samples": samples, "builds": builds}
 
 
@@ -64,7 +67,8 @@ def test_an_engine_against_another_differs_by_its_rounding(measured, tmp_path):
 
 
 def test_a_failed_comparison_engine_fails_the_evaluation(measured, tmp_path):
-    assert json.loads(open(measured["builds"]["fp8-broken"]).read())["status"] == "failed"
+    broken = json.loads(open(measured["builds"]["fp8-broken"]).read())
+    assert broken["status"] == "failed" and "the fp8 transform selects no layer" in broken["error"], broken.get("error")
     doc = evaluate(measured, "fp16", {"fp8-broken": measured["builds"]["fp8-broken"]}, tmp_path / "quality.json")
     assert doc["status"] == "failed" and "the build of fp8-broken failed" in doc["error"]
 

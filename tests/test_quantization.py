@@ -10,24 +10,9 @@ import torch
 
 from quantstudy import quantization as q, steps
 
+from conftest import reference_qdq
+
 E4M3_GRID = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
-
-
-def reference_qdq(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """Float64 QuantizeLinear (round half to even, saturate to +-448) then DequantizeLinear.
-
-    The scale is the float32 value the graph stores; the quotient x/scale is float32, as in ONNX.
-    """
-    scale = float(torch.tensor(scale, dtype=torch.float32))
-    grid = E4M3_GRID[torch.isfinite(E4M3_GRID)]
-    bits = torch.arange(256)[torch.isfinite(E4M3_GRID)]
-    order = torch.argsort(grid)
-    grid, bits = grid[order], bits[order]
-    v = (x.to(torch.float32) / torch.tensor(scale, dtype=torch.float32)).to(torch.float64).clamp(-448, 448)
-    idx = torch.searchsorted(grid, v).clamp(1, len(grid) - 1)
-    lo, hi = grid[idx - 1], grid[idx]
-    pick_hi = (hi - v < v - lo) | ((hi - v == v - lo) & (bits[idx] % 2 == 0))
-    return torch.where(pick_hi, hi, lo) * scale
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0 ** -7, 0.0123, 3.7])
@@ -61,6 +46,53 @@ def test_select_and_outlier_rule():
     amax["a.1.output.dense"]["input_amax"] = 30.0
     report = q.outliers(amax, names[:3], 20)
     assert report["layers"] == ["a.1.output.dense"] and report["largest_ratio"]["input_amax"] == 30.0
+
+
+def test_the_outlier_rule_reads_weights_too_and_a_scale_at_the_ratio_is_not_an_outlier():
+    """Median 1.0 of each kind: a weight amax 25 times it is an outlier, whatever the inputs; an input amax
+    exactly 20 times it, with ratio 20, is not ("above ratio x the median")."""
+    names = ["h.0.fc", "h.1.fc", "h.2.fc"]
+    amax = {n: {"input_amax": 1.0, "weight_amax": 1.0} for n in names}
+    amax["h.2.fc"]["weight_amax"] = 25.0
+    amax["h.1.fc"]["input_amax"] = 20.0
+    report = q.outliers(amax, names, 20)
+    assert report["layers"] == ["h.2.fc"]
+    assert report["largest_ratio"] == {"input_amax": 20.0, "weight_amax": 25.0}
+
+
+def test_a_variants_exclude_takes_its_layers_out_of_the_recipe():
+    names = [f"h.{i}.{k}" for i in range(2) for k in ("q", "o", "fc")]
+    recipe = {"quantize": ["h.*.q", "h.*.fc"]}
+    assert q.fp8_layers(names, recipe, {}, []) == ["h.0.q", "h.0.fc", "h.1.q", "h.1.fc"]
+    assert q.fp8_layers(names, recipe, {"exclude": ["*.fc"]}, []) == ["h.0.q", "h.1.q"]
+    assert q.fp8_layers(names, recipe, {"exclude": ["h.1.*"]}, []) == ["h.0.q", "h.0.fc"]
+
+
+def test_fp32_dequantize_dequantizes_to_fp32():
+    """An fp16 graph: its FP8 layer dequantizes to fp16 by the recipe, to fp32 with fp32_dequantize, and so
+    stores its scales in that dtype. Worked out apart from FP8Linear: reference_qdq, scales amax / 448
+    rounded to the dequantize dtype, the product in it, the output rounded to fp16."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    x = torch.randn(4, 16)
+    w, b = model[0].weight.detach(), model[0].bias.detach()
+    amax = {"amax": {"0": {"input_amax": 3.0, "weight_amax": 0.3}}, "outliers": {"layers": []}}
+    recipe = {"quantize": ["0"], "dequantize_dtype": "float16"}
+
+    def expected(dq):
+        sx, sw = (float(torch.tensor(a / 448).to(dq)) for a in (3.0, 0.3))
+        xq = reference_qdq(x.half().float(), sx).float().to(dq)
+        wq = reference_qdq(w, sw).float().to(dq)
+        return torch.nn.functional.linear(xq, wq, b.half().to(dq)).half()
+
+    for transforms, dq in (([{"fp8": {}}], torch.float16), ([{"fp8": {}}, {"fp32_dequantize": {}}], torch.float32)):
+        variant, summary = q.apply_variant(copy.deepcopy(model), {"precision": "float16", "transforms": transforms},
+                                           recipe, amax)
+        assert summary["dequantize_dtype"] == str(dq).removeprefix("torch."), transforms
+        with torch.no_grad():
+            got = variant(x.half())
+        assert torch.equal(got, expected(dq)), f"{transforms}: not the layer that dequantizes to {dq}"
+    assert not torch.equal(expected(torch.float16), expected(torch.float32))  # the two are told apart
 
 
 def test_fp8_layers_add_extends_the_recipe_without_repeating_it():

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
-import json
 
 import jsonschema
 import pytest
 
 from quantstudy import artifacts, steps
 from quantstudy.artifacts import DamagedArtifact, read_json, write_json
+
+from conftest import rewritten
 
 SHA = "ab" * 32
 
@@ -86,14 +87,9 @@ def test_a_failed_build_has_a_record_that_says_so(tmp_path):
 
 
 def _rewritten(path, tmp_path, change) -> str:
-    """The sample list with `change` applied and written again by write_json: its own digest matches,
-    so only the per-sample check can tell (a list made by hand or by another tool)."""
-    doc = json.loads(path.read_text())
-    body = {k: v for k, v in doc.items() if k not in ("schema", "schema_version", artifacts.DIGEST)}
-    change(body["samples"])
-    out = tmp_path / "calibration.json"
-    write_json(out, "samples", body)
-    return str(out)
+    """The sample list with `change` applied to its samples, its digest made again: only the per-sample
+    check can tell."""
+    return str(rewritten(path, tmp_path / "calibration.json", lambda body: change(body["samples"])))
 
 
 def test_every_reader_recomputes_each_samples_hash(tiny_inputs, tmp_path):

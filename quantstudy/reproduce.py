@@ -33,6 +33,11 @@ QUALITY_TOLERANCE = {"cpu": 0.0, "cuda": 1e-5}
 SKIP_KEYS = frozenset({"provenance", "content_sha256", "schema", "schema_version"})
 
 
+def quality_tolerance(doc: dict[str, Any]) -> float:
+    """The minimum effect of a quality number of this job: bit for bit on a CPU, 1e-5 of it on a GPU."""
+    return QUALITY_TOLERANCE["cpu" if doc["provenance"]["params"]["target"]["device"] == "cpu" else "cuda"]
+
+
 def compare_quality(recorded: dict[str, Any], reproduced: dict[str, Any], tolerance: float) -> list[dict[str, Any]]:
     """Every number (or string) of two quality.json whose difference counts beyond `tolerance`, a share of
     the larger magnitude (exact values: no samples, no spread between jobs)."""
@@ -179,8 +184,6 @@ def reproduce(study_dir: str | Path, configfile: str, jobs: list[str], scratch: 
     report: dict[str, Any] = {"study": study_dir.name, "configfile": configfile, "scratch": str(scratch),
                               "jobs": [], "skipped": []}
     min_effect = config.run_of_study(configfile, study_dir.name).studies[study_dir.name].min_effect
-    noise = timing_noise([read_json(p, "timing") for p in candidates(study_dir)["time"]])
-    report["timing_noise"], report["min_effect"] = noise, min_effect
     recorded, runnable = {}, []
     for path in jobs:
         try:
@@ -193,6 +196,9 @@ def reproduce(study_dir: str | Path, configfile: str, jobs: list[str], scratch: 
             report["skipped"].append({"path": path, "why": why})
         else:
             runnable.append(path)
+    if any(recorded[p]["provenance"]["rule"] == "time" for p in runnable):
+        noise = timing_noise([read_json(p, "timing") for p in candidates(study_dir)["time"]])
+        report["timing_noise"], report["min_effect"] = noise, min_effect
     if runnable:
         scratch_copy(study_dir.name, scratch)
         rules = sorted({recorded[p]["provenance"]["rule"] for p in runnable})
@@ -216,8 +222,7 @@ def reproduce(study_dir: str | Path, configfile: str, jobs: list[str], scratch: 
         if new.get("status") != "ok":
             job.update(ok=False, problem=f"the re-executed job failed: {new.get('error', '')[-500:]}")
         elif job["rule"] == "evaluate":
-            tolerance = QUALITY_TOLERANCE["cpu" if new["provenance"]["params"]["target"]["device"] == "cpu" else "cuda"]
-            job["differences"] = compare_quality(recorded[path], new, tolerance)
+            job["differences"] = compare_quality(recorded[path], new, quality_tolerance(new))
             job["ok"] = not job["differences"]
         else:
             job["differences"] = compare_timing(recorded[path], new, min_effect, noise)

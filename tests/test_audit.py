@@ -44,6 +44,29 @@ def test_quality_is_compared_number_by_number_and_provenance_is_not():
     close = copy.deepcopy(recorded)
     close["blocks"]["mlm"]["top1"] = 0.75 * (1 + 1e-6)
     assert compare_quality(recorded, close, 0.0) != [] and compare_quality(recorded, close, 1e-5) == []
+    # relative to the value, not absolute: 1e-4 apart is within 1e-5 of 100, not of 0.001
+    big = {"blocks": {"ppl": 100.0, "kl": 0.001}}
+    moved = {"blocks": {"ppl": 100.0001, "kl": 0.0011}}
+    assert [d["key"] for d in compare_quality(big, moved, 1e-5)] == ["blocks.kl"]
+
+
+def test_a_cpu_quality_number_is_compared_bit_for_bit_and_a_gpus_within_1e_5():
+    from quantstudy.reproduce import quality_tolerance
+
+    job = lambda device: {"provenance": {"params": {"target": {"device": device}}}}  # noqa: E731
+    assert quality_tolerance(job("cpu")) == 0.0 and quality_tolerance(job("cuda")) == 1e-5
+
+
+def test_a_reproduce_that_reexecuted_nothing_fails(tmp_path):
+    """Every job skipped (here: a damaged record, refused on read) leaves nothing compared: not ok."""
+    from quantstudy import reproduce
+
+    study = tmp_path / "results/fnet"
+    study.mkdir(parents=True)
+    (study / "quality.json").write_text("not JSON")
+    report = reproduce.reproduce(study, "config/config.yaml", [str(study / "quality.json")], tmp_path / "scratch")
+    assert report["jobs"] == [] and len(report["skipped"]) == 1 and report["ok"] is False
+    assert "nothing was re-executed" in reproduce.summary(report)
 
 
 def _timing(variant, baseline, engine="e", x=None):

@@ -114,8 +114,9 @@ def params_text(p) -> str:
     return str(p)
 
 
-UNITS = {"x": lambda v: f"{times(v)}x", "percent": pct, "count": count, "times": lambda v: f"{num(v, 1)} times",
-         "number": lambda v: num(v, 4)}
+# A condition's units: the number's format and its unit (a word follows a range once: 48.1 to 48.7 times).
+UNITS = {"x": (times, "x"), "percent": (pct, ""), "count": (count, ""), "times": (lambda v: num(v, 1), " times"),
+         "number": (lambda v: num(v, 4), "")}
 
 
 def condition_units(c: dict[str, Any]) -> str:
@@ -143,23 +144,24 @@ def verdict(t: dict[str, Any]) -> list[dict[str, Any]]:
         c = {**declared.get(c["name"], {}), **c}  # a tables.json before decide() copied table and units
         units = condition_units(c)
         lists = [samples[name] for name in c.get("samples") or [] if name in samples]
-        fmt = (functools.partial(pct_of, n=lists[0]["count"]) if units == "percent_of_samples" and len(lists) == 1
-               else UNITS.get(units, UNITS["percent"]))
-        observed = c["observed"]
-        shown = (span(observed, fmt) if isinstance(observed, dict)
-                 else "not measured" if observed is None else fmt(observed))
+        fmt, unit = ((functools.partial(pct_of, n=lists[0]["count"]), "")
+                     if units == "percent_of_samples" and len(lists) == 1 else UNITS.get(units, UNITS["percent"]))
+
+        def shown(observed) -> str:
+            return (span(observed, fmt, unit) if isinstance(observed, dict)
+                    else "not measured" if observed is None else fmt(observed) + unit)
+
         # The threshold as configured, never rounded to a sample's precision (99.5% of 24 pairs is not 100%).
-        threshold = "" if c.get("threshold") is None else (pct if units == "percent_of_samples" else fmt)(c["threshold"])
+        threshold = ("" if c.get("threshold") is None
+                     else (pct if units == "percent_of_samples" else fmt)(c["threshold"]) + unit)
         if c.get("relative_to"):
             threshold += f" the `{c['relative_to']}` engine's"
         base = c.get("baseline")
         lines.append({
-            "name": c["name"], "met": c["pass"], "observed": shown, "rows": c.get("n"),
+            "name": c["name"], "met": c["pass"], "observed": shown(c["observed"]), "rows": c.get("n"),
             "samples": ", ".join(f"{count(s['count'])} {s['kind'].replace('_', ' ')} ({s['name']})" for s in lists),
             "timing": c.get("table") == "speed" and spec["timing"],
-            "baseline": base and {"variants": base["variants"], "met": base["pass"],
-                                  "observed": span(base["observed"], fmt) if isinstance(base["observed"], dict)
-                                  else "not measured" if base["observed"] is None else fmt(base["observed"])},
+            "baseline": base and {"variants": base["variants"], "met": base["pass"], "observed": shown(base["observed"])},
             "threshold": f"{COMPARE_WORDS.get(c.get('compare'), c.get('compare') or '')} {threshold}".strip(),
             "basis": c.get("basis"), "note": c.get("note"),
             "setting": (c.get("rows") or {}).get("setting")})
@@ -173,11 +175,14 @@ def cell_text(text) -> str:
 
 
 def span(r: dict | None, fmt=times, unit: str = "") -> str:
-    """'a to b' (or 'a') from a computed range."""
+    """'a to b' (or 'a') from a computed range: a symbol after each end (1.03x to 1.11x), a word (a unit
+    starting with a space) once, after the range (48.1 to 48.7 times)."""
     if not r:
         return "not measured"
     lo, hi = fmt(r["min"]), fmt(r["max"])
-    return f"{lo}{unit}" if lo == hi else f"{lo}{unit} to {hi}{unit}"
+    if lo == hi:
+        return f"{lo}{unit}"
+    return f"{lo} to {hi}{unit}" if unit.startswith(" ") else f"{lo}{unit} to {hi}{unit}"
 
 
 def value_range(values) -> dict | None:
@@ -255,6 +260,7 @@ def view(t: dict[str, Any], docs: str = "../../docs/reading-a-study.md", repo: s
         "x_batch1": value_range(b1), "x_batched": value_range(bn), "bound_batch1": value_range(bound1),
         # Tables of a run before the gemm rule (committed evidence) have no bound: their tables keep their columns.
         "has_bound": "bound" in t, "bound": t.get("bound") or {"at_limit": None, "f_bases": {}},
+        "f_found": {target: bases for target, bases in ((t.get("bound") or {}).get("f_bases") or {}).items() if bases},
         "baselines": sorted({r["variant"] for r in t["speed"] if r["variant"] in set(baselines.values())}),
         "baseline_of": baselines.__getitem__, "column_range": column_range, "ratio_range": ratio_range,
         "candidate_nonfinite": sum(r.get("nonfinite") or 0 for r in rows_of("candidate")),

@@ -46,7 +46,7 @@ def test_a_relative_condition_renders_its_factor_and_the_variant():
          "note": ""})
     rows = [line for line in render.render_section(tables).splitlines() if line.startswith("- **not met: KL at most")]
     assert len(rows) == 1
-    assert "`fp8`: 3.5 times to 12.2 times. Needs at most 10.0 times the `fp16` engine's." in rows[0]
+    assert "`fp8`: 3.5 to 12.2 times. Needs at most 10.0 times the `fp16` engine's." in rows[0]
 
 
 def test_a_failed_gpt_neo_variant_shows_its_error_text_in_the_variants_table():
@@ -227,3 +227,39 @@ def test_a_threshold_is_printed_as_configured_beside_values_at_their_samples_pre
 def test_a_variants_transform_parameters_read_as_words_not_json():
     assert render.params_text({"factor": 64, "when": {"window": [512]}}) == "factor 64, when window 512"
     assert render.params_text({"exclude": ["*.output.dense", "*.qkv"]}) == "exclude *.output.dense / *.qkv"
+
+
+def test_a_range_in_words_names_its_unit_once():
+    assert render.span({"min": 48.1, "max": 48.7}, lambda v: render.num(v, 1), " times") == "48.1 to 48.7 times"
+    assert render.span({"min": 48.1, "max": 48.1}, lambda v: render.num(v, 1), " times") == "48.1 times"
+
+
+def test_a_bound_with_no_f_says_so_instead_of_an_empty_sentence():
+    """The embedded default's CPU rows have a bound cell (why it is withheld) and no f: the sentence on
+    how f was found must not read "f was found ."."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-torch-repeats/results/fnet/tables.json", "tables")
+    assert "f was found on `h200-torch` by shape [M, K, N]." in render.render_section(tables)
+    tables["bound"]["f_bases"] = {"h200-torch": []}
+    section = render.render_section(tables)
+    assert "f was found" not in section
+    assert "([how it is computed](../../docs/reading-a-study.md#the-amdahl-bound)); no row has one: its cell says why." in section
+
+
+def test_detr_gemm_rows_count_only_what_they_cover():
+    """Deformable DETR's GEMM sentence names how many rows it covers out of those profiled for both the
+    baseline and the candidate, not "every target and size" when a disagreeing profile was left out."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-deformable-detr/run-2026-12-05/results/deformable_detr/tables.json",
+                                 "tables")
+    line = next(x for x in render.render_section(tables).splitlines() if x.startswith("- GEMM time per call"))
+    assert "(all 3 rows profiled for both)" in line
+    next(k for k in tables["kernels"] if k["target"] == "h200-eager" and k["variant"] == "fp8")["profile_agrees"] = False
+    line = next(x for x in render.render_section(tables).splitlines() if x.startswith("- GEMM time per call"))
+    assert "(2 of the 3 rows profiled for both; the others' profiles disagree)" in line

@@ -263,3 +263,32 @@ def test_detr_gemm_rows_count_only_what_they_cover():
     next(k for k in tables["kernels"] if k["target"] == "h200-eager" and k["variant"] == "fp8")["profile_agrees"] = False
     line = next(x for x in render.render_section(tables).splitlines() if x.startswith("- GEMM time per call"))
     assert "(2 of the 3 rows profiled for both; the others' profiles disagree)" in line
+
+
+def test_xcit_gemm_share_is_each_targets_own():
+    """XCiT's 'why' gives the FP8 GEMMs' share of profiled time per target: a second target's profile
+    (ONNX Runtime's, say) is never quoted as the study's, and a target whose profile disagrees with its
+    timing is named as left out."""
+    import copy
+
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
+    tables["targets"]["cpu-onnxruntime"] = {"backend": "onnxruntime", "device": "cpu", "version": None}
+    for k in [k for k in tables["kernels"] if k["variant"] == "fp8" and k["batch"] == 1]:
+        other = copy.deepcopy(k) | {"target": "cpu-onnxruntime", "total_ms": 10.0}
+        other["groups_ms"] = {"FP8 GEMMs": 5.0, "other": 5.0}
+        tables["kernels"].append(other)
+
+    def why():
+        return next(x for x in render.render_section(tables).splitlines() if x.startswith("At batch 1 the FP8 GEMMs"))
+
+    assert ("24% to 25% on `h200-torch` (torch); 50% on `cpu-onnxruntime` (onnxruntime); the rest is work outside "
+            "the FP8 GEMMs.") in why()
+    for k in tables["kernels"]:
+        if k["target"] == "cpu-onnxruntime":
+            k["profile_agrees"] = False
+    assert why().endswith("24% to 25% on `h200-torch` (torch); the rest is work outside the FP8 GEMMs. Each target's "
+                          "share is its own profile's; left out: `cpu-onnxruntime` (its profile disagrees with its timing).")

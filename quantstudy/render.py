@@ -507,19 +507,32 @@ def _rst(text: str) -> str:
     return re.sub(r"([\\`*_|])", r"\\\1", str(text))
 
 
+def run_kind(run: dict[str, Any]) -> str:
+    """What kind of run the numbers come from, in a line: its name, its weights and its note."""
+    weights = "the real checkpoints" if run["weights"] == "checkpoint" else f"{run['weights']} weights"
+    return f"Run {run['name']} ({weights}). {run.get('note') or ''}".strip()
+
+
 def front_page(tables_jsons: list[str | Path], out: str | Path) -> None:
     """The decisions of every study as reStructuredText, for the front page of `snakemake --report`
-    (report/workflow.rst includes it): per study the decision and each condition's verdict line."""
-    lines = []
-    for path in tables_jsons:
-        t = read_json(path, "tables")
-        d = t["decision"]
-        lines += [f"**{_rst(t['title'])}: {'ship' if d['ship'] else 'do not ship'} {_rst(d['candidate'])}**", ""]
-        for v in verdict(t):
-            lines.append(f"- {'met' if v['met'] else 'NOT MET'}: {_rst(v['name'])}: {_rst(v['observed'])} "
-                         f"(needs {_rst(v['threshold'].replace('`', ''))})")
-        lines.append("")
-    atomic_write(out, "\n".join(lines))
+    (report/workflow.rst includes it): first the kind of run they come from (a smoke run on tiny
+    random-init models decides nothing about the real checkpoints), then one line per study: its
+    decision and the conditions it does not meet. Each condition's full verdict is its README's."""
+    docs = [read_json(path, "tables") for path in tables_jsons]
+    kinds = list(dict.fromkeys(run_kind(t["run"]) for t in docs))
+    lines = [f"**{_rst(kind)}**" for kind in kinds] + [""]
+    for t in docs:
+        d, verdicts = t["decision"], verdict(t)
+        missed = [v for v in verdicts if not v["met"]]
+        line = f"- **{_rst(t['title'])}: {'ship' if d['ship'] else 'do not ship'} {_rst(d['candidate'])}**"
+        if missed:
+            line += f" ({len(missed)} of {len(verdicts)} conditions not met: " + "; ".join(
+                f"{_rst(v['name'])}, {_rst(v['observed'])}, needs {_rst(v['threshold'].replace('`', ''))}"
+                for v in missed) + ")"
+        else:
+            line += f" (all {len(verdicts)} conditions met)"
+        lines.append(line)
+    atomic_write(out, "\n".join(lines) + "\n")
 
 
 def main() -> None:

@@ -292,3 +292,24 @@ def test_xcit_gemm_share_is_each_targets_own():
             k["profile_agrees"] = False
     assert why().endswith("24% to 25% on `h200-torch` (torch); the rest is work outside the FP8 GEMMs. Each target's "
                           "share is its own profile's; left out: `cpu-onnxruntime` (its profile disagrees with its timing).")
+
+
+def test_the_front_page_names_the_run_kind_before_its_decisions(tmp_path):
+    """The report's front page says which run decided (a smoke run on tiny random-init models decides
+    nothing about the real checkpoints) before one line per study: its decision and the conditions it
+    misses, with what was measured and what was needed."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    paths = [ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json",
+             ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json"]
+    out = tmp_path / "decisions.rst"
+    render.front_page(paths, out)
+    lines = out.read_text().splitlines()
+    run = artifacts.read_json(paths[0], "tables")["run"]
+    note = run["note"].replace("_", "\\_")  # reStructuredText: xcit\_nano, not an emphasis
+    assert lines[0] == f"**Run {run['name']} ({run['weights']} weights). {note}**"
+    studies = [line for line in lines if line.startswith("- **")]
+    assert len(studies) == 2 and studies[0].startswith("- **GPT-Neo: do not ship fp8** (2 of 4 conditions not met: ")
+    assert "next-token KL against PyTorch bf16 (every row), 62.0 times, needs at most 5.0 times the fp16 engine's" in studies[0]

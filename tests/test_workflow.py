@@ -882,6 +882,60 @@ def test_the_readme_page_renders_in_a_browser_with_its_plot_and_no_dead_link(wor
     assert links and all(href[1:] in ids for href in links), [h for h in links if h[1:] not in ids]
 
 
+def report_in_a_browser(report: Path, run_name: str, decisions: dict[str, str]) -> None:
+    """The report as a reader at 1400 x 1000 sees it: the run's name and each study's decision on the front
+    page without scrolling, then each README page (shown as the report shows it: its app's view of the
+    page's data: URI in its frame) with its verdict and plot."""
+    import time
+
+    from quantstudy.devtools import Browser
+
+    with Browser(_chromium(), 1400, 1000) as browser:
+        browser.open(report.as_uri())
+        blocks = browser.js("""[...document.querySelectorAll('#app p, #app li')].map(e => {
+            const r = e.getBoundingClientRect(); return {top: r.top, bottom: r.bottom, text: e.textContent}; })""")
+        for wanted in [f"Run {run_name} ", *(f"{title}: {d}" for title, d in decisions.items())]:
+            found = [b for b in blocks if wanted in b["text"]]
+            assert found, f"{wanted!r} is not on the front page"
+            assert all(0 <= b["top"] and b["bottom"] <= 1000 for b in found), (wanted, found)
+        pages = browser.js("Object.keys(results).filter(k => results[k].mime_type === 'text/html')")
+        assert len(pages) == len(decisions), pages
+        for page in pages:
+            browser.js(f"app.setView({{content: 'html', contentPath: results[{json.dumps(page)}].data_uri}})")
+            shown = None
+            for _ in range(100):  # the frame is drawn by React, then loads: ask until it has loaded
+                frames = [f for f in browser.frames() if f["url"].startswith("data:text/html")]
+                try:
+                    shown = frames and browser.js("""document.readyState === 'complete' && {
+                        heading: (document.querySelector('h2') || {}).textContent || null,
+                        plot: [...document.images].some(i => i.complete && i.naturalWidth > 500)}""",
+                                                  frame=frames[-1]["id"])
+                except RuntimeError:  # the frame went away while asked (React drew it again)
+                    shown = None
+                if shown:
+                    break
+                time.sleep(0.1)
+            assert shown, f"{page}: the report's frame never finished loading"
+            assert shown["heading"] and shown["heading"].startswith("FP8 quantization study:"), (page, shown)
+            assert shown["plot"], f"{page}: the plot did not load in the report's frame"
+
+
+@pytest.mark.skipif(not _chromium(), reason="no headless Chromium (apt-get install chromium)")
+def test_the_report_shows_the_run_kind_and_decisions_first_and_every_readme_page(workflow_copy, tmp_path):
+    """`snakemake --report` in headless Chromium: the front page's run kind and decisions are visible
+    without scrolling at 1400 x 1000 (the report centred a tall front page, cutting its top off), and
+    every study's README page renders in the report's frame (a page past 2 MiB as a data: URI is blank)."""
+    report = tmp_path / "report.html"
+    proc = snakemake(workflow_copy, "--configfile", ".test/config.yaml", "--report", str(report))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = yaml.safe_load((workflow_copy / ".test/config.yaml").read_text())["run"]
+    decisions = {}
+    for tables in sorted((workflow_copy / "results").glob("*/tables.json")):
+        t = json.loads(tables.read_text())
+        decisions[t["title"]] = f"{'ship' if t['decision']['ship'] else 'do not ship'} {t['decision']['candidate']}"
+    report_in_a_browser(report, run["name"], decisions)
+
+
 def test_every_rendered_readme_has_whole_tables_and_no_dead_link(workflow_copy):
     """Each study README of the run, as a reader clicks through it: every relative link opens a file
     (a number's JSON, a sample list, the plot, the docs page), and every table row has its header's cells."""

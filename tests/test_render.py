@@ -68,12 +68,12 @@ def test_a_failed_gpt_neo_variant_shows_its_error_text_in_the_variants_table():
             if row["variant"] == "fp8-c_fc":
                 row.update(status="failed", error=error if table == "builds" else "its build failed")
     lines = render.render_section(tables).splitlines()
-    failed = [line for line in lines if line.startswith("| h200-torch | gpt-neo-125m, 256 x 256 | `fp8-c_fc` |")]
+    failed = [line for line in lines if line.startswith("| h200-torch | gpt-neo-125m, `p256-c256` | `fp8-c_fc` |")]
     assert len(failed) == 1
     assert ("failed: build.json: RuntimeError: TensorRT could not build the engine: Input 0's element type "
             "(fp8_e4m3) differs from input 1's element type (half)") in failed[0]
     assert failed[0].count("|") == 13  # the row keeps the table's 12 columns
-    measured = [line for line in lines if line.startswith("| h200-torch | gpt-neo-125m, 256 x 256 | `fp8` |")]
+    measured = [line for line in lines if line.startswith("| h200-torch | gpt-neo-125m, `p256-c256` | `fp8` |")]
     assert "failed" not in measured[0] and "62.0" in measured[0]
 
 
@@ -88,15 +88,16 @@ def test_detr_counts_render_as_counts_beside_failed_rows():
     tables = artifacts.read_json(ROOT / "results/h200-deformable-detr/deformable_detr/results/deformable_detr/tables.json",
                                  "tables")
     lines = render.render_section(tables).splitlines()
-    fp16 = [line for line in lines if line.startswith("| h200-torch | deformable-detr, 800 x 800 | `fp16` |")]
+    fp16 = [line for line in lines if line.startswith("| h200-torch | deformable-detr, `800x800` | `fp16` |")]
     assert len(fp16) == 1 and "(2 jobs)" in fp16[0] and fp16[0].endswith("| 0 / 64 |")
-    eager = [line for line in lines if line.startswith("| h200-eager | deformable-detr, 800 x 800 | `fp8-add-heads` |")]
+    eager = [line for line in lines if line.startswith("| h200-eager | deformable-detr, `800x800` | `fp8-add-heads` |")]
     assert len(eager) == 1 and "failed: RuntimeError: Cannot copy between CPU and CUDA tensors" in eager[0]
 
 
 def test_a_condition_on_a_setting_names_it_with_this_runs_values():
-    """A decision condition limited to a setting shows that setting's own values (the tiny run's w256 is a
-    64-token window), never a typed label; a condition on no setting shows its name alone."""
+    """A decision condition limited to a setting names it, and the settings line under the verdict gives
+    that setting's own values (the tiny run's w256 is a 64-token window), never a typed label; a condition
+    on no setting shows its name alone."""
     from quantstudy import artifacts
 
     from conftest import ROOT
@@ -111,8 +112,10 @@ def test_a_condition_on_a_setting_names_it_with_this_runs_values():
         {"name": "non-finite outputs", "column": "nonfinite", "reduce": "sum", "compare": "==", "observed": 0,
          "threshold": 0, "pass": True, "note": "", "rows": {}}]
     rows = [line for line in render.render_section(tables).splitlines() if line.startswith("- **")]
-    assert rows[0].startswith("- **not met: speed-up at the manifest window (every row) (setting `w256`: window 64, "
-                              "batch 1).** `fp8`: 0.90x to 1.20x")
+    assert rows[0].startswith("- **not met: speed-up at the manifest window (every row) (setting `w256`).** "
+                              "`fp8`: 0.90x to 1.20x")
+    settings = next(x for x in render.render_section(tables).splitlines() if x.startswith("Settings, "))
+    assert "`w256`: window 64, batch 1" in settings
     assert "Needs at least 1.10x." in rows[0]
     assert rows[1].startswith("- **met: non-finite outputs.** `fp8`: 0. Needs exactly 0.")
 
@@ -153,10 +156,11 @@ def test_a_percentage_carries_the_precision_its_samples_support():
     assert render.mib(310_000) == "0.296" and render.mib(71_000_000) == "67.7" and render.pct0(-0.2749) == "-27%"
 
 
-def test_no_label_contradicts_its_setting():
+def test_each_setting_has_one_label_and_its_shape_once():
     """The tiny override shrinks DeBERTa's settings (w256 is a 64-token window there, b32-w256 batch 8 x 64):
-    every label the README prints is made from the values, so outside link targets no setting name is
-    shown as a label, and no row says 256 tokens."""
+    every table, link, verdict and the audit's chain name a setting by its name, and the settings line under
+    the verdict gives its shape once, from this run's values; no label made of values ("64", "batch 8 x 64")
+    stands for a setting anywhere else, and no row says 256 tokens."""
     from quantstudy import artifacts
 
     from conftest import ROOT
@@ -166,13 +170,13 @@ def test_no_label_contradicts_its_setting():
     for name, (batch, window) in shrunk.items():
         if name in tables["spec"]["settings"]:
             tables["spec"]["settings"][name].update(batch=batch, window=window)
-    for c in (*tables["decision"]["conditions"], *tables["spec"]["decision"]["conditions"]):
-        c["name"] = re.sub(r" \(setting w256: .*?; ", " (", c["name"])  # the label this evidence's config typed in
-    text = re.sub(r"\]\([^)]*\)", "]()", render.render_section(tables))  # link targets are paths, named by setting
-    text = text.replace("setting `w256`: window 64, batch 1", "")  # the verdict names the setting with its values
-    for name in shrunk:
-        assert not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text), name
-    assert "deberta-v3-base, 64 |" in text and "deberta-v3-base, 256 |" not in text
+    section = render.render_section(tables)
+    [settings] = [line for line in section.splitlines() if line.startswith("Settings, ")]
+    for name, (batch, window) in shrunk.items():
+        assert section.count(f"window {window}, batch {batch}") == 1 and f"`{name}`: window {window}, batch {batch}" in settings
+    rows = [line for line in section.splitlines() if line.startswith("| deberta-v3-base")]
+    assert rows and all(re.match(r"\| deberta-v3-base(-mnli)?, `(w128|w256|w512|b32-w256)` \|", line) for line in rows), rows
+    assert "batch 8 x" not in section and "deberta-v3-base, 64 |" not in section and "deberta-v3-base, 256 |" not in section
 
 
 EVIDENCE_BY_FAMILY = {

@@ -38,8 +38,8 @@ def test_failing_variant_is_rendered_and_the_others_complete(workflow_copy):
         assert json.loads((variant_dir / variant / "quality.json").read_text())["status"] == "ok"
     readme = (workflow_copy / "results/fnet/README.md").read_text()
     assert re.search(r"\| \[build\.json\]\(cpu-torch/fnet-base/w512/fp8-broken/build\.json\) \| cpu-torch \| "
-                     r"fnet-base, 512 \| fp8-broken \| .*selects no layer", readme)
-    fp8_row = next(line for line in readme.splitlines() if line.startswith("| fnet-base, 512 | cpu-torch | fp8 |"))
+                     r"fnet-base, `w512` \| fp8-broken \| .*selects no layer", readme)
+    fp8_row = next(line for line in readme.splitlines() if line.startswith("| fnet-base, `w512` | cpu-torch | fp8 |"))
     assert "failed" not in fp8_row and "%" in fp8_row
 
 
@@ -656,7 +656,7 @@ def test_each_built_variant_has_a_measurements_record_read_from_its_files(workfl
 
     readme = (workflow_copy / "results/fnet/README.md").read_text()
     row = next(line for line in readme.splitlines()
-               if line.startswith("| cpu-onnxruntime | fnet-base, 512 | fp8 |") and "measurements.json" in line)
+               if line.startswith("| cpu-onnxruntime | fnet-base, `w512` | fp8 |") and "measurements.json" in line)
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[4] == str(len(build["fp8_layers"])) and cells[7] == "21"
     assert cells[8] == f"{ops['QuantizeLinear']} / {ops['DequantizeLinear']}"

@@ -267,6 +267,10 @@ def test_detr_gemm_rows_count_only_what_they_cover():
     next(k for k in tables["kernels"] if k["target"] == "h200-eager" and k["variant"] == "fp8")["profile_agrees"] = False
     line = next(x for x in render.render_section(tables).splitlines() if x.startswith("- GEMM time per call"))
     assert "(2 of the 3 rows profiled for both; the others' profiles disagree)" in line
+    for k in tables["kernels"]:
+        k["profile_agrees"] = False
+    line = next(x for x in render.render_section(tables).splitlines() if x.startswith("- GEMM time saved against"))
+    assert line.endswith(": none of the 3 rows profiled for both the baseline and fp8 has profiles that agree with their timing.")
 
 
 def test_xcit_gemm_share_is_each_targets_own():

@@ -3,13 +3,16 @@
 Reads tables.json only, like render (no torch, no backend). x is the speed-up measured side by
 side (baseline time / variant time, bars: the range over the paired rounds); y is the study's
 main quality metric: the column of the first per-row quality condition of its decision rule
-(table quality, reduce min or max), in the units the README prints it in, so the plot knows no
-family. One panel per target; each variant has one colour in every study, each model and setting a
-marker; the candidate is drawn filled, the other variants hollow. The region where the decision's
-speed and quality thresholds are both met is shaded. The x axis spans the candidate and the other
-reduced-precision variants: an fp32 point beyond it is named on the panel's edge. A measurement
-that failed or gave no finite value is not placed on the axes: each panel names its failures in
-red, and the lines under the panels give each one's error.
+(table quality, reduce min or max), in the units the README prints it in, over the variant it is
+relative to where the condition is relative (so its threshold is in the axis' units); the plot knows
+no family. One panel per target; each variant has its own colour (fp32, fp16 and fp8 the same in
+every study), each model and setting a marker, its shape named once in the legend; the candidate
+is drawn filled, the other variants hollow. The region where the decision's speed and quality
+thresholds are both met is shaded. fp32, the precision of the reference the quality is measured
+against, is named under the panels with its x, not plotted. A measurement that failed or gave no
+finite value is not placed on the axes: each panel names its failures in red, and the lines under
+the panels give each one's error. Titles and notes wrap to the figure's width, and the left margin
+is what the y label and ticks take.
 
     python -m quantstudy.plots results/<study>/tables.json [--out PNG]   # default: beside it
 """
@@ -28,7 +31,7 @@ from typing import Any
 from quantstudy.artifacts import atomic_write, read_json
 from quantstudy.config import main_quality_condition
 from quantstudy.families.base import measured_against
-from quantstudy.render import PLOT, by_graph, condition_units, shape_label
+from quantstudy.render import PLOT, by_graph, condition_units, setting_words
 
 log = logging.getLogger("quantstudy")
 
@@ -41,17 +44,26 @@ FOOT_INCHES = 0.25  # below the x label, before the note
 MARKERS = "osD^vP*Xph<>"
 FAILED = "#d62728"  # matplotlib's C3: no variant gets it, so red means failed
 SHIP = "#2ca02c"  # the shaded region where both thresholds are met
-# One colour per variant name in every study: the common ones fixed, any other from the rest of
-# the palette by a hash of its name (the same name, the same colour, in any study and run).
+# The common variants keep one colour in every study; the study's other variants take the next
+# colours in the order its config lists them, so no two variants of a plot share one (a hash of the
+# name gave three GPT-Neo variants one light blue). No red (failed) or green (ship region).
 VARIANT_COLOURS = {"fp32": "#1f77b4", "fp16": "#555555", "fp8": "#ff7f0e"}
-OTHER_COLOURS = ("#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#aec7e8", "#ffbb78")
+OTHER_COLOURS = ("#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#000080", "#808000", "#f7b6d2",
+                 "#9edae5", "#c49c94", "#c5b0d5", "#ffbb78", "#dbdb8d", "#aec7e8")
 
 
-def variant_colour(name: str) -> str:
-    import zlib
+def variant_colours(variants: list[str]) -> dict[str, str]:
+    """{variant: colour} for a study's variants, in its config's order: each its own colour."""
+    others = iter(OTHER_COLOURS)
+    colours = {}
+    for name in variants:
+        colours[name] = VARIANT_COLOURS.get(name) or next(others, None)
+        if colours[name] is None:
+            raise ValueError(f"more variants than colours ({len(OTHER_COLOURS)} besides {', '.join(VARIANT_COLOURS)})")
+    return colours
 
-    return VARIANT_COLOURS.get(name) or OTHER_COLOURS[zlib.crc32(name.encode()) % len(OTHER_COLOURS)]
-NOTE_CHARS = 130  # a note line's length: an error is cut to it, a list wraps
+
+CHAR_INCHES = 0.6 / 72  # a DejaVu Sans character is at most about 0.6 em wide: wrap a line to fit the figure
 
 
 def speed_condition(conditions: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -91,52 +103,65 @@ def _why(row: dict[str, Any], what: str, value: float | None, column: str) -> st
 def points(tables: dict[str, Any]) -> tuple[list[Point], dict[str, list[str]]]:
     """Every variant measured for both speed and quality, and what was measured for one only.
 
-    A (target, model, setting) with speed rows and no quality rows is a setting without a quality
-    run (`quality: false`), one with quality rows and no speed rows a model that is not timed
+    y is the main quality condition's column, over the `relative_to` variant's on the same row where
+    the condition is relative (GPT-Neo: KL over the fp16 engine's), so that its threshold is in the
+    axis' units. A (target, model, setting) with speed rows and no quality rows is a setting without a
+    quality run (`quality: false`), one with quality rows and no speed rows a model that is not timed
     (`timing: false`): by design, so listed, not plotted; so is the engine the quality column is
-    measured against (`quality_against`), which has no value in it. Failures are plotted."""
-    column = main_quality_condition(tables["spec"]["decision"])["column"]
-    reference = measured_against(column, tables["spec"].get("quality_against") or [])
+    measured against (`quality_against`, `relative_to`), and fp32, the precision of the reference
+    every quality column is measured against, not a candidate. Failures are plotted."""
+    qcond = main_quality_condition(tables["spec"]["decision"])
+    column, over = qcond["column"], qcond.get("relative_to")
+    reference = over or measured_against(column, tables["spec"].get("quality_against") or [])
     quality = {(r["target"], r["model"], r["setting"], r["variant"]): r for r in tables["quality"]}
+    label = _quality_label(qcond)
     timed = {(r["target"], r["model"], r["setting"]) for r in tables["speed"]}
-    out, speed_only, the_reference = [], [], []
+    out, speed_only, the_reference, full_precision = [], [], [], []
     for (target, model, setting, graph), variants in by_graph(tables["speed"]).items():
         if not any((target, model, setting, v) in quality for v in variants):
-            speed_only.append(f"{target}: {model}, {_setting_label(setting, tables['spec']['settings'])}")
+            speed_only.append(f"{target}: {model}, {setting}")
             continue
         for variant, s in variants.items():
             q = quality.get((target, model, setting, variant), {"status": "not evaluated", "error": "no quality row"})
-            if variant == reference and q.get("status") == "ok" and _finite(q.get(column)) is None:
-                the_reference.append(f"{target}: {variant}, {model}, {_setting_label(setting, tables['spec']['settings'])}")
+            if variant == reference and q.get("status") == "ok" and (over or _finite(q.get(column)) is None):
+                the_reference.append(f"{target}: {variant}, {model}, {setting}")
                 continue
             x = _finite(s.get("x")) if s.get("status") == "ok" else None
+            if variant == "fp32":
+                full_precision.append(f"{target}: {model}, {setting}{f' ({graph})' if graph not in (None, 'main') else ''}"
+                                      f", x {'-' if x is None else f'{x:.2f}'}")
+                continue
             y = _finite(q.get(column)) if q.get("status") == "ok" else None
-            problem = "; ".join(filter(None, (_why(s, "timing", x, "x"), _why(q, "quality", y, column))))
+            if y is not None and over:
+                base = quality.get((target, model, setting, over), {})
+                y = y / base[column] if base.get("status") == "ok" and _finite(base.get(column)) else None
+                if y is None:
+                    q = {"status": "not comparable", "error": f"no {over} value on this row to divide by"}
+            problem = "; ".join(filter(None, (_why(s, "timing", x, "x"), _why(q, "quality", y, label))))
             has_x = x is not None
             out.append(Point(target, model, setting, graph, variant, x, _finite(s.get("x_min")) if has_x else None,
                              _finite(s.get("x_max")) if has_x else None, y, problem))
-    quality_only = sorted({f"{t}: {m}, {_setting_label(s, tables['spec']['settings'])}" for t, m, s, _ in quality
-                           if (t, m, s) not in timed})
+    quality_only = sorted({f"{t}: {m}, {s}" for t, m, s, _ in quality if (t, m, s) not in timed})
     return out, {"speed only (no quality run at this setting)": sorted(set(speed_only)),
                  "quality only (not timed)": quality_only,
-                 "the engine the y axis is measured against, so not on it": sorted(set(the_reference))}
+                 "the engine the y axis is measured against, so not on it": sorted(set(the_reference)),
+                 "fp32, the reference's precision (not a candidate), not plotted": sorted(set(full_precision))}
 
 
-def _setting_label(setting: str, settings: dict[str, Any]) -> str:
-    """A setting as the README's tables label it: `512`, `batch 8 x 512`."""
-    batch = settings[setting]["batch"]
-    return f"{'batch ' + str(batch) + ' x ' if batch > 1 else ''}{shape_label(settings[setting])}"
+def _quality_label(qcond: dict[str, Any]) -> str:
+    """The y axis' quantity in words: the condition's name, over the variant it is relative to."""
+    return f"{qcond['name']}, over the {qcond['relative_to']} engine's" if qcond.get("relative_to") else qcond["name"]
 
 
-def _series_label(p: Point, settings: dict[str, Any], several_graphs: bool) -> str:
-    label = f"{p.model}, {_setting_label(p.setting, settings)}"
+def _series_label(p: Point, several_graphs: bool) -> str:
+    """A model and setting as the README names them: `gpt-neo-125m, p256-c256 (decode)`."""
+    label = f"{p.model}, {p.setting}"
     return f"{label} ({p.graph})" if several_graphs else label
 
 
-def _rows_label(cond: dict[str, Any], settings: dict[str, Any]) -> str:
-    """The rows a condition covers, a setting with its shape (a tiny override may shrink it)."""
-    rows = [f"setting {v}: {_setting_label(v, settings)}" if k == "setting" and v in settings else f"{k} {v}"
-            for k, v in (cond.get("rows") or {}).items()]
+def _rows_label(cond: dict[str, Any]) -> str:
+    """The rows a condition covers: `(setting w256)`, `(graph decode)`."""
+    rows = [f"{k} {v}" for k, v in (cond.get("rows") or {}).items()]
     return f" ({', '.join(rows)})" if rows else ""
 
 
@@ -144,15 +169,15 @@ def _wrap(text: str) -> str:
     return textwrap.fill(text, 34, subsequent_indent="  ")
 
 
-def _notes(pts: list[Point], by_design: dict[str, list[str]], settings: dict[str, Any], several: bool) -> list[str]:
+def _notes(pts: list[Point], by_design: dict[str, list[str]], several: bool, chars: int) -> list[str]:
     lines = []
     for p in pts:
         if p.problem:
-            text = f"x  {p.target}: {_series_label(p, settings, several)}, {p.variant}: {p.problem}"
-            lines.append(text if len(text) <= NOTE_CHARS else text[:NOTE_CHARS - 3] + "...")  # whole in the README
+            text = f"x  {p.target}: {_series_label(p, several)}, {p.variant}: {p.problem}"
+            lines.append(text if len(text) <= chars else text[:chars - 3] + "...")  # whole in the README
     for kind, keys in by_design.items():
         if keys:
-            lines += textwrap.wrap(f"{kind}: {'; '.join(keys)}", NOTE_CHARS, subsequent_indent="    ")
+            lines += textwrap.wrap(f"{kind}: {'; '.join(keys)}", chars, subsequent_indent="    ")
     return lines
 
 
@@ -168,6 +193,7 @@ def _x_limits(pts: list[Point], thresholds: list[float]) -> tuple[float, float]:
 
 def figure(tables: dict[str, Any]):
     """The study's speed-vs-quality figure and the points it shows."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -175,29 +201,37 @@ def figure(tables: dict[str, Any]):
     spec, settings = tables["spec"], tables["spec"]["settings"]
     conditions = spec["decision"]["conditions"]
     qcond, scond = main_quality_condition(spec["decision"]), speed_condition(conditions)
-    scale = 100.0 if condition_units(qcond).startswith("percent") else 1.0  # the README's units
-    unit = " (%)" if scale == 100.0 else ""
+    over = qcond.get("relative_to")
+    scale = 100.0 if not over and condition_units(qcond).startswith("percent") else 1.0  # the README's units
+    unit = " (%)" if scale == 100.0 else " (times)" if over else ""
     pts, by_design = points(tables)
     targets = [t for t in tables["targets"] if any(p.target == t for p in pts)] or list(tables["targets"])[:1]
     several = len({p.graph for p in pts if p.graph}) > 1
     candidate = spec["candidate"]
+    colour = variant_colours(list(spec["variants"]))
     variants = [v for v in spec["variants"] if any(p.variant == v for p in pts)]
-    series = list(dict.fromkeys(_series_label(p, settings, several) for p in pts))
+    series = {_series_label(p, several): p.setting for p in pts}  # each series' setting
     marker = {s: MARKERS[i % len(MARKERS)] for i, s in enumerate(series)}
     x_lo, x_hi = _x_limits(pts, [scond["threshold"]] if scond else [])
     off_axis = {t: [p for p in pts if p.target == t and p.x is not None and p.y is not None and not x_lo <= p.x <= x_hi]
                 for t in targets}  # named under the panels, not drawn off scale
-    notes = _notes(pts, by_design, settings, several) + [
-        line for t, beyond in off_axis.items() if beyond for line in textwrap.wrap(
-            f"{t}, beyond the x axis: " + "; ".join(f"{p.variant} {_series_label(p, settings, several)} x {p.x:.2f}"
-                                                    for p in beyond), NOTE_CHARS, subsequent_indent="    ")]
 
     width = PANEL_INCHES[0] * len(targets) + LEGEND_INCHES
+    chars = int((width - 0.2) / (9 * CHAR_INCHES))  # a 9 pt line across the figure
+    notes = _notes(pts, by_design, several, chars) + [
+        line for t, beyond in off_axis.items() if beyond for line in textwrap.wrap(
+            f"{t}, beyond the x axis: " + "; ".join(f"{p.variant} {_series_label(p, several)} x {p.x:.2f}"
+                                                    for p in beyond), chars, subsequent_indent="    ")]
+    label = _quality_label(qcond)
+    title = textwrap.wrap(f"{tables['title']}: speed-up against {label}", int((width - 0.2) / (11 * CHAR_INCHES)))
+    run = tables["run"]
+    caveat = textwrap.wrap(f"{run['weights']} run {run['name']}: these numbers do not describe the real checkpoints",
+                           int((width - 0.2) / (8 * CHAR_INCHES))) if run["weights"] != "checkpoint" else []
+    head = 0.15 + 0.22 * len(title) + 0.17 * len(caveat) + HEAD_INCHES - 0.55  # the panel titles below them
     panel_bottom = FOOT_INCHES + NOTE_LINE_INCHES * len(notes) + 0.6  # the x label sits in this margin
-    height = HEAD_INCHES + PANEL_INCHES[1] + panel_bottom
+    height = head + PANEL_INCHES[1] + panel_bottom
     fig = Figure(figsize=(width, height), dpi=DPI)
-    fig.subplots_adjust(left=0.95 / width, right=1 - (LEGEND_INCHES + 0.1) / width,
-                        bottom=panel_bottom / height, top=1 - HEAD_INCHES / height, wspace=0.08)
+    FigureCanvasAgg(fig)  # to measure the drawn labels
     axes = fig.subplots(1, len(targets), sharey=True, squeeze=False)[0]
 
     ys = [p.y * scale for p in pts if p.y is not None]
@@ -212,8 +246,8 @@ def figure(tables: dict[str, Any]):
             # clamped: an x outside its rounds' range (a median of jobs, or an edited file) still plots
             err = ([[max(0.0, p.x - p.x_min)], [max(0.0, p.x_max - p.x)]]
                    if p.x_min is not None and p.x_max is not None else None)
-            c = variant_colour(p.variant)
-            ax.errorbar([p.x], [p.y * scale], xerr=err, fmt=marker[_series_label(p, settings, several)],
+            c = colour[p.variant]
+            ax.errorbar([p.x], [p.y * scale], xerr=err, fmt=marker[_series_label(p, several)],
                         ms=8 if p.variant == candidate else 6, mfc=c if p.variant == candidate else "none", mec=c,
                         ecolor=c, elinewidth=0.8, capsize=2, mew=1.3, zorder=4 if p.variant == candidate else 3)
         ax.set_xlim(x_lo, x_hi)
@@ -235,7 +269,7 @@ def figure(tables: dict[str, Any]):
         failed = [p for p in mine if p.problem]
         if failed:  # failures keep no place on the axes: named in the panel, their errors below
             ax.text(0.02, 0.98, "failed, not plotted:\n" + "\n".join(
-                f"{p.variant} {_series_label(p, settings, several)}" for p in failed),
+                f"{p.variant} {_series_label(p, several)}" for p in failed),
                 transform=ax.transAxes, ha="left", va="top", fontsize=7, color=FAILED)
         tg = tables["targets"][target]
         ax.set_title(f"{target}: {tg['backend']}{' ' + tg['version'] if tg.get('version') else ''} "
@@ -243,30 +277,40 @@ def figure(tables: dict[str, Any]):
         ax.set_xlabel("speed-up x = baseline time / variant time\n(median; bars: range over the rounds)", fontsize=9)
         ax.grid(True, which="major", color="0.92", zorder=0)
         ax.tick_params(labelsize=8)
-    axes[0].set_ylabel(_wrap(f"{qcond['name']}{unit}") + f"\n({'higher' if higher_better else 'lower'} is better)",
+    axes[0].set_ylabel(_wrap(f"{label}{unit}") + f"\n({'higher' if higher_better else 'lower'} is better)",
                        fontsize=9)
 
-    handles = [Line2D([], [], ls="none", marker="o", mfc=variant_colour(v) if v == candidate else "none",
-                      mec=variant_colour(v), mew=1.3, label=f"{v} (candidate)" if v == candidate else v) for v in variants]
-    handles += [Line2D([], [], ls="none", marker=marker[s], mfc="none", mec="0.2", mew=1.2, label=s) for s in series]
+    handles = [Line2D([], [], ls="none", marker="o", mfc=colour[v] if v == candidate else "none",
+                      mec=colour[v], mew=1.3, label=f"{v} (candidate)" if v == candidate else v) for v in variants]
+    # Each setting's shape, once: beside its name in the legend.
+    handles += [Line2D([], [], ls="none", marker=marker[s], mfc="none", mec="0.2", mew=1.2,
+                       label=_wrap(f"{s}: {setting_words(settings[setting])}")) for s, setting in series.items()]
     handles.append(Patch(color=SHIP, alpha=0.25, label="ship region: both thresholds met"))
     handles.append(Line2D([], [], color="0.3", ls=":", lw=1.2, label=_wrap(
-        f"{qcond['name']} {qcond['compare']} {q_threshold:g}{unit}{_rows_label(qcond, settings)}")))
+        f"{qcond['name']} {qcond['compare']} {q_threshold:g}{' times the ' + over + ' engine' + chr(39) + 's' if over else unit}"
+        f"{_rows_label(qcond)}")))
     if scond:
         handles.append(Line2D([], [], color="0.3", ls="--", lw=1,
-                              label=_wrap(f"x {scond['compare']} {scond['threshold']}{_rows_label(scond, settings)}")))
+                              label=_wrap(f"x {scond['compare']} {scond['threshold']}{_rows_label(scond)}")))
     handles.append(Line2D([], [], color="0.55", lw=0.8, label="x = 1 (baseline speed)"))
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(1 - LEGEND_INCHES / width, 1 - HEAD_INCHES / height),
-               fontsize=8, frameon=False, title="colour: variant\nmarker: model, setting", title_fontsize=8,
-               alignment="left")
-    run = tables["run"]
-    fig.text(0.01, 1 - 0.1 / height, f"{tables['title']}: speed-up against {qcond['name']}", fontsize=11, va="top")
-    if run["weights"] != "checkpoint":
-        fig.text(0.01, 1 - 0.36 / height, f"{run['weights']} run {run['name']}: these numbers do not describe "
-                 "the real checkpoints", fontsize=8, va="top", color="0.3")
+    legend = fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(1 - LEGEND_INCHES / width, 1 - head / height),
+                        fontsize=8, frameon=False, title="colour: variant\nmarker: model, setting", title_fontsize=8,
+                        alignment="left")
+    for i, line in enumerate(title):
+        fig.text(0.01, 1 - (0.1 + 0.22 * i) / height, line, fontsize=11, va="top")
+    for i, line in enumerate(caveat):
+        fig.text(0.01, 1 - (0.14 + 0.22 * len(title) + 0.17 * i) / height, line, fontsize=8, va="top", color="0.3")
     for i, line in enumerate(notes):
         fig.text(0.01, (FOOT_INCHES + NOTE_LINE_INCHES * (len(notes) - 1 - i)) / height, line, fontsize=9,
                  color=FAILED if line.startswith("x  ") else "0.25")
+    # The y label and its ticks inside the figure: the left margin is what they take (DETR's wide ticks).
+    fig.subplots_adjust(left=0.95 / width, right=1 - (LEGEND_INCHES + 0.1) / width, bottom=panel_bottom / height,
+                        top=1 - head / height, wspace=0.08)
+    renderer = fig.canvas.get_renderer()
+    left = axes[0].get_tightbbox(renderer).x0 / DPI  # inches from the figure's left edge
+    if left < 0.08:
+        fig.subplots_adjust(left=(0.95 + 0.08 - left) / width)
+    legend.set_in_layout(False)
     return fig, pts
 
 

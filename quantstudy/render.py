@@ -114,8 +114,9 @@ def params_text(p) -> str:
     return str(p)
 
 
-UNITS = {"x": lambda v: f"{times(v)}x", "percent": pct, "count": count, "times": lambda v: f"{num(v, 1)} times",
-         "number": lambda v: num(v, 4)}
+# A condition's units: the number's format and its unit (a word follows a range once: 48.1 to 48.7 times).
+UNITS = {"x": (times, "x"), "percent": (pct, ""), "count": (count, ""), "times": (lambda v: num(v, 1), " times"),
+         "number": (lambda v: num(v, 4), "")}
 
 
 def condition_units(c: dict[str, Any]) -> str:
@@ -143,23 +144,24 @@ def verdict(t: dict[str, Any]) -> list[dict[str, Any]]:
         c = {**declared.get(c["name"], {}), **c}  # a tables.json before decide() copied table and units
         units = condition_units(c)
         lists = [samples[name] for name in c.get("samples") or [] if name in samples]
-        fmt = (functools.partial(pct_of, n=lists[0]["count"]) if units == "percent_of_samples" and len(lists) == 1
-               else UNITS.get(units, UNITS["percent"]))
-        observed = c["observed"]
-        shown = (span(observed, fmt) if isinstance(observed, dict)
-                 else "not measured" if observed is None else fmt(observed))
+        fmt, unit = ((functools.partial(pct_of, n=lists[0]["count"]), "")
+                     if units == "percent_of_samples" and len(lists) == 1 else UNITS.get(units, UNITS["percent"]))
+
+        def shown(observed) -> str:
+            return (span(observed, fmt, unit) if isinstance(observed, dict)
+                    else "not measured" if observed is None else fmt(observed) + unit)
+
         # The threshold as configured, never rounded to a sample's precision (99.5% of 24 pairs is not 100%).
-        threshold = "" if c.get("threshold") is None else (pct if units == "percent_of_samples" else fmt)(c["threshold"])
+        threshold = ("" if c.get("threshold") is None
+                     else (pct if units == "percent_of_samples" else fmt)(c["threshold"]) + unit)
         if c.get("relative_to"):
             threshold += f" the `{c['relative_to']}` engine's"
         base = c.get("baseline")
         lines.append({
-            "name": c["name"], "met": c["pass"], "observed": shown, "rows": c.get("n"),
+            "name": c["name"], "met": c["pass"], "observed": shown(c["observed"]), "rows": c.get("n"),
             "samples": ", ".join(f"{count(s['count'])} {s['kind'].replace('_', ' ')} ({s['name']})" for s in lists),
             "timing": c.get("table") == "speed" and spec["timing"],
-            "baseline": base and {"variants": base["variants"], "met": base["pass"],
-                                  "observed": span(base["observed"], fmt) if isinstance(base["observed"], dict)
-                                  else "not measured" if base["observed"] is None else fmt(base["observed"])},
+            "baseline": base and {"variants": base["variants"], "met": base["pass"], "observed": shown(base["observed"])},
             "threshold": f"{COMPARE_WORDS.get(c.get('compare'), c.get('compare') or '')} {threshold}".strip(),
             "basis": c.get("basis"), "note": c.get("note"),
             "setting": (c.get("rows") or {}).get("setting")})
@@ -173,11 +175,14 @@ def cell_text(text) -> str:
 
 
 def span(r: dict | None, fmt=times, unit: str = "") -> str:
-    """'a to b' (or 'a') from a computed range."""
+    """'a to b' (or 'a') from a computed range: a symbol after each end (1.03x to 1.11x), a word (a unit
+    starting with a space) once, after the range (48.1 to 48.7 times)."""
     if not r:
         return "not measured"
     lo, hi = fmt(r["min"]), fmt(r["max"])
-    return f"{lo}{unit}" if lo == hi else f"{lo}{unit} to {hi}{unit}"
+    if lo == hi:
+        return f"{lo}{unit}"
+    return f"{lo} to {hi}{unit}" if unit.startswith(" ") else f"{lo}{unit} to {hi}{unit}"
 
 
 def value_range(values) -> dict | None:
@@ -255,6 +260,7 @@ def view(t: dict[str, Any], docs: str = "../../docs/reading-a-study.md", repo: s
         "x_batch1": value_range(b1), "x_batched": value_range(bn), "bound_batch1": value_range(bound1),
         # Tables of a run before the gemm rule (committed evidence) have no bound: their tables keep their columns.
         "has_bound": "bound" in t, "bound": t.get("bound") or {"at_limit": None, "f_bases": {}},
+        "f_found": {target: bases for target, bases in ((t.get("bound") or {}).get("f_bases") or {}).items() if bases},
         "baselines": sorted({r["variant"] for r in t["speed"] if r["variant"] in set(baselines.values())}),
         "baseline_of": baselines.__getitem__, "column_range": column_range, "ratio_range": ratio_range,
         "candidate_nonfinite": sum(r.get("nonfinite") or 0 for r in rows_of("candidate")),
@@ -403,34 +409,81 @@ def splice(existing: str, section: str, study: str) -> str:
 
 PAGE_STYLE = ("body{font-family:sans-serif;max-width:80em;margin:1em auto;padding:0 1em;line-height:1.4}"
               "table{border-collapse:collapse;margin:.5em 0;font-size:90%}th,td{border:1px solid #ccc;padding:2px 6px}"
-              "th{background:#f3f3f3}img{max-width:100%}code{background:#f6f6f6}")
+              "th{background:#f3f3f3}img{max-width:100%}code{background:#f6f6f6}"
+              "details.file{margin:.3em 0}details.file pre{background:#f6f6f6;padding:.5em;overflow:auto;max-height:40em}"
+              "details.file>:not(summary){scroll-margin-top:2.5em}"
+              ":target{outline:3px solid #ff7f0e}")
 
 
 LINK = re.compile(r'(href|src)="([^"#:]+)(#[^"]*)?"')
-MEDIA = {".json": "application/json", ".png": "image/png", ".md": "text/markdown", ".yaml": "text/yaml"}
+MEDIA = {".png": "image/png", ".svg": "image/svg+xml", ".jpg": "image/jpeg"}
+
+
+def anchor_id(path: str) -> str:
+    """A fragment id for a file the page carries, from its path: `file-cpu-torch-fnet-base-w512-fp8-timing-json`."""
+    parts = [p for p in Path(os.path.normpath(path)).parts if p not in ("..", ".")]
+    return "file-" + re.sub(r"[^a-z0-9]+", "-", "/".join(parts).lower()).strip("-")
+
+
+def _heading_ids(body: str, prefix: str) -> str:
+    """GitHub's heading anchors (`## The plot` -> `the-plot`) on the headings of a rendered Markdown
+    file, prefixed by the file's id, so a link to `reading-a-study.md#the-plot` lands on its heading."""
+    def slug(match: re.Match) -> str:
+        text = re.sub(r"<[^>]+>", "", match.group(2))
+        s = re.sub(r"[^\w\- ]", "", html.unescape(text).strip().lower()).replace(" ", "-")
+        return f'<h{match.group(1)} id="{prefix}--{s}">{match.group(2)}</h{match.group(1)}>'
+    return re.sub(r"<h([1-6])>(.*?)</h\1>", slug, body)
+
+
+def _markdown(text: str) -> str:
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark", {"html": True}).enable("table").render(text)  # the folds are HTML
 
 
 def html_page(section: str, title: str, folder: str | Path | None = None) -> str:
-    """The section as one self-contained HTML page: what `snakemake --report` shows. Every relative
-    link or image resolved from `folder` (the README's) becomes a data URI of that file, so the plot
-    and the JSON files behind the numbers open from the page offline; a link to no file stays as is."""
-    from markdown_it import MarkdownIt
-
+    """The section as one self-contained HTML page: what `snakemake --report` shows. An image resolved
+    from `folder` (the README's) is inlined as a data URI; every other file a link resolves to is carried
+    once, at the end of the page, in a closed fold with an id (its JSON as text, a Markdown page
+    rendered), and the link points at that id: a click opens the fold and scrolls to it, offline, in the
+    report's frame as in a browser tab (a browser does not navigate a page to a data: link). A link to no
+    file stays as is."""
     markdown = "\n".join(line for line in section.splitlines() if not line.startswith("<!-- quantstudy:"))
-    body = MarkdownIt("commonmark", {"html": True}).enable("table").render(markdown)  # the folds are HTML
-    embedded: dict[str, str] = {}
+    body = _markdown(markdown)
+    folder = Path(folder) if folder is not None else None
+    carried: dict[str, str] = {}  # link target -> the fold's id
+    images: dict[str, str] = {}
 
     def inline(match: re.Match) -> str:
-        attr, target = match.group(1), match.group(2)  # an anchor is dropped: the data URI is the file
-        path = Path(folder or ".") / target
+        attr, target, fragment = match.group(1), match.group(2), match.group(3) or ""
+        path = (folder or Path(".")) / target
         if folder is None or not path.is_file():
             return match.group(0)
-        if target not in embedded:
-            media = MEDIA.get(path.suffix, "text/plain")
-            embedded[target] = f"data:{media};base64,{base64.b64encode(path.read_bytes()).decode()}"
-        return f'{attr}="{embedded[target]}"' + (f' title="{html.escape(target)}"' if attr == "href" else "")
+        if attr == "src" and path.suffix in MEDIA:
+            if target not in images:
+                images[target] = f"data:{MEDIA[path.suffix]};base64,{base64.b64encode(path.read_bytes()).decode()}"
+            return f'src="{images[target]}"'
+        fold = carried.setdefault(target, anchor_id(target))
+        if fragment and path.suffix == ".md":
+            return f'href="#{fold}--{fragment[1:]}" title="{html.escape(target + fragment)}"'
+        return f'href="#{fold}" title="{html.escape(target)}"'
 
     body = LINK.sub(inline, body)
+    folds = []
+    for target, fold in carried.items():
+        path = folder / target
+        if path.suffix in MEDIA:
+            data = base64.b64encode(path.read_bytes()).decode()
+            content = f'<img id="{fold}" src="data:{MEDIA[path.suffix]};base64,{data}" alt="{html.escape(target)}">'
+        elif path.suffix == ".md":
+            content = f'<div id="{fold}">{_heading_ids(_markdown(path.read_text()), fold)}</div>'
+        else:
+            content = f'<pre id="{fold}">{html.escape(path.read_text(errors="replace"), quote=False)}</pre>'
+        folds.append(f'<details class="file"><summary><code>{html.escape(target)}</code> '
+                     f"({path.stat().st_size / 1024:,.1f} KiB)</summary>\n{content}\n</details>")
+    if folds:
+        body += ('<h3 id="files">The files this page links</h3>\n<p>Each link above opens its file here.</p>\n'
+                 + "\n".join(folds) + "\n")
     return (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{PAGE_STYLE}</style></head>\n<body>\n{body}</body></html>\n")
 
@@ -454,19 +507,32 @@ def _rst(text: str) -> str:
     return re.sub(r"([\\`*_|])", r"\\\1", str(text))
 
 
+def run_kind(run: dict[str, Any]) -> str:
+    """What kind of run the numbers come from, in a line: its name, its weights and its note."""
+    weights = "the real checkpoints" if run["weights"] == "checkpoint" else f"{run['weights']} weights"
+    return f"Run {run['name']} ({weights}). {run.get('note') or ''}".strip()
+
+
 def front_page(tables_jsons: list[str | Path], out: str | Path) -> None:
     """The decisions of every study as reStructuredText, for the front page of `snakemake --report`
-    (report/workflow.rst includes it): per study the decision and each condition's verdict line."""
-    lines = []
-    for path in tables_jsons:
-        t = read_json(path, "tables")
-        d = t["decision"]
-        lines += [f"**{_rst(t['title'])}: {'ship' if d['ship'] else 'do not ship'} {_rst(d['candidate'])}**", ""]
-        for v in verdict(t):
-            lines.append(f"- {'met' if v['met'] else 'NOT MET'}: {_rst(v['name'])}: {_rst(v['observed'])} "
-                         f"(needs {_rst(v['threshold'].replace('`', ''))})")
-        lines.append("")
-    atomic_write(out, "\n".join(lines))
+    (report/workflow.rst includes it): first the kind of run they come from (a smoke run on tiny
+    random-init models decides nothing about the real checkpoints), then one line per study: its
+    decision and the conditions it does not meet. Each condition's full verdict is its README's."""
+    docs = [read_json(path, "tables") for path in tables_jsons]
+    kinds = list(dict.fromkeys(run_kind(t["run"]) for t in docs))
+    lines = [f"**{_rst(kind)}**" for kind in kinds] + [""]
+    for t in docs:
+        d, verdicts = t["decision"], verdict(t)
+        missed = [v for v in verdicts if not v["met"]]
+        line = f"- **{_rst(t['title'])}: {'ship' if d['ship'] else 'do not ship'} {_rst(d['candidate'])}**"
+        if missed:
+            line += f" ({len(missed)} of {len(verdicts)} conditions not met: " + "; ".join(
+                f"{_rst(v['name'])}, {_rst(v['observed'])}, needs {_rst(v['threshold'].replace('`', ''))}"
+                for v in missed) + ")"
+        else:
+            line += f" (all {len(verdicts)} conditions met)"
+        lines.append(line)
+    atomic_write(out, "\n".join(lines) + "\n")
 
 
 def main() -> None:

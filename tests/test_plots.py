@@ -14,6 +14,7 @@ from quantstudy import artifacts, plots
 from conftest import ROOT, rewritten
 
 EVIDENCE = ROOT / "results/h200-torch-issue9/results/deberta_v2/tables.json"  # one target, fp16 and fp8
+GPT_NEO = ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json"  # KL relative to fp16's, five variants
 RED = (0xD6, 0x27, 0x28)  # plots.FAILED
 
 
@@ -46,9 +47,11 @@ def test_a_failed_measurement_is_named_in_its_panel_and_under_it(tmp_path):
     assert ok.y > 0.05 and ok.x_min <= ok.x <= ok.x_max  # features.mean: the decision's per-row quality column
     image = Image.open(out)
     image.load()  # decodes
-    # one 4.6 x 4.0 in panel, the legend column, and three note lines (the failure, speed only, quality only),
-    # at 200 dpi: a 9 pt note is readable when printed
-    assert image.format == "PNG" and image.size == (1440, round((0.9 + 4.0 + 0.25 + 0.6 + 3 * 0.2) * 200))
+    # one 4.6 x 4.0 in panel, the legend column, a title of two lines (the condition's name is long) with the
+    # run's caveat and the panel's title above it, and three note lines below (the failure, speed only, quality
+    # only), at 200 dpi: a 9 pt note is readable when printed
+    head = 0.15 + 2 * 0.22 + 0.17 + 0.35
+    assert image.format == "PNG" and image.size == (1440, round((head + 4.0 + 0.25 + 0.6 + 3 * 0.2) * 200))
     assert _red_pixels(out) > 200  # its name in the panel and its note line
 
 
@@ -126,11 +129,15 @@ def test_the_plot_draws_each_row_at_its_values_with_its_variants_colour_and_the_
     assert drawn["lines"][":"] == ([0, 1], [1.0, 1.0])
 
 
-def test_each_variant_has_one_colour_in_every_study_and_the_ship_region_is_shaded(tmp_path):
-    """fp8 is orange and fp16 grey in any study; another variant's colour comes from its name alone; the
-    region where both thresholds are met is shaded; the x axis spans the reduced-precision points, not fp32's."""
-    assert plots.variant_colour("fp8") == "#ff7f0e" and plots.variant_colour("fp16") == "#555555"
-    assert plots.variant_colour("fp8-no-output-dense") == plots.variant_colour("fp8-no-output-dense")
+def test_each_variant_has_its_own_colour_and_the_ship_region_is_shaded(tmp_path):
+    """fp8 is orange and fp16 grey in any study, and no two variants of a study share a colour (a hash of
+    the name gave three of GPT-Neo's one light blue); the region where both thresholds are met is shaded;
+    the x axis spans the reduced-precision points, not fp32's."""
+    gpt_neo = json.loads(GPT_NEO.read_text())["spec"]["variants"]
+    colours = plots.variant_colours([*gpt_neo, "fp32", "fp8-no-output-dense", "fp8-add-heads", "fp16-hs"])
+    assert len(colours) == 14
+    assert colours["fp8"] == "#ff7f0e" and colours["fp16"] == "#555555" and colours["fp32"] == "#1f77b4"
+    assert len(set(colours.values())) == len(colours) and not {plots.FAILED, plots.SHIP} & set(colours.values())
     out = tmp_path / "speed_quality.png"
     plots.plot_file(_tables_with(tmp_path), out)
     rgb = np.asarray(Image.open(out).convert("RGB")).astype(int)
@@ -149,8 +156,11 @@ def test_the_engine_the_quality_column_is_measured_against_is_listed_not_failed(
     pts, by_design = plots.points(json.loads(tables.read_text()))
     assert pts and not any(p.problem for p in pts) and "fp16" not in {p.variant for p in pts}
     assert by_design["the engine the y axis is measured against, so not on it"] == [
-        "h200-eager: fp16, deformable-detr, 800 x 800", "h200-torch: fp16, deformable-detr, 800 x 1067",
-        "h200-torch: fp16, deformable-detr, 800 x 800"]
+        "h200-eager: fp16, deformable-detr, 800x800", "h200-torch: fp16, deformable-detr, 800x1067",
+        "h200-torch: fp16, deformable-detr, 800x800"]
+    assert "fp32" not in {p.variant for p in pts}  # the reference's precision: named, not in the ship region
+    assert by_design["fp32, the reference's precision (not a candidate), not plotted"] == [
+        "h200-torch: deformable-detr, 800x1067, x 0.45", "h200-torch: deformable-detr, 800x800, x 0.44"]
 
 
 def test_a_missing_quality_value_says_whether_the_outputs_were_non_finite(tmp_path):
@@ -161,7 +171,43 @@ def test_a_missing_quality_value_says_whether_the_outputs_were_non_finite(tmp_pa
             row.update({"features.mean": None, "nonfinite": nonfinite})
         return edit
 
-    for nonfinite, problem in ((3, "features.mean not finite (3 non-finite outputs)"),
-                               (0, "no finite features.mean recorded")):
+    name = "token feature relative error, mean over held-out texts (every row)"  # the condition's, not its column
+    for nonfinite, problem in ((3, f"{name} not finite (3 non-finite outputs)"), (0, f"no finite {name} recorded")):
         pts, _ = plots.points(json.loads(_tables_with(tmp_path, blank_fp8_at_w256(nonfinite)).read_text()))
         assert [p.problem for p in pts if p.problem] == [problem]
+
+
+def test_a_relative_quality_condition_is_drawn_in_its_own_units():
+    """GPT-Neo's bar is KL at most 5 times the fp16 engine's on the same row: y is each variant's KL over
+    fp16's (fp8 is 62 times it, far above the bar), not the absolute KL that put every variant under 5."""
+    tables = json.loads(GPT_NEO.read_text())
+    kl = {(r["variant"]): r["wikitext.kl_mean"] for r in tables["quality"]}  # one row per variant here
+    pts, by_design = plots.points(tables)
+    fp8 = [p for p in pts if p.variant == "fp8"]
+    assert len(fp8) == 2  # prefill and decode
+    assert all(p.y == pytest.approx(kl["fp8"] / kl["fp16"]) for p in fp8) and all(p.y > 5 for p in fp8)
+    assert "fp16" not in {p.variant for p in pts}
+    assert by_design["the engine the y axis is measured against, so not on it"] == ["h200-torch: fp16, gpt-neo-125m, p256-c256"]
+
+
+def test_every_text_of_each_evidence_plot_is_inside_the_figure():
+    """Titles, notes, axis labels and the legend are drawn inside the image: DeBERTa's title and note ran
+    past its right edge, DETR's y label past its left."""
+    from matplotlib.text import Text
+
+    for tables in (EVIDENCE, GPT_NEO, ROOT / "results/h200-deformable-detr/run-2026-12-05/results/deformable_detr/tables.json",
+                   ROOT / "results/h200-torch-repeats/results/fnet/tables.json"):
+        doc = json.loads(tables.read_text())
+        doc["bound"] = doc.get("bound")
+        # a long error and wide y ticks: the worst a note and the y axis meet
+        row = next(r for r in doc["quality"] if r["variant"] == doc["spec"]["candidate"])
+        row.update(status="failed", error="RuntimeError: " + "a long error message " * 12)
+        fig, _ = plots.figure(doc)
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        width, height = fig.bbox.width, fig.bbox.height
+        for text in fig.findobj(Text):
+            if not text.get_visible() or not text.get_text().strip():
+                continue
+            box = text.get_window_extent(renderer)
+            assert box.x0 >= 0 and box.x1 <= width and box.y0 >= 0 and box.y1 <= height, (tables.parent.name, text.get_text())

@@ -46,7 +46,7 @@ def test_a_relative_condition_renders_its_factor_and_the_variant():
          "note": ""})
     rows = [line for line in render.render_section(tables).splitlines() if line.startswith("- **not met: KL at most")]
     assert len(rows) == 1
-    assert "`fp8`: 3.5 times to 12.2 times. Needs at most 10.0 times the `fp16` engine's." in rows[0]
+    assert "`fp8`: 3.5 to 12.2 times. Needs at most 10.0 times the `fp16` engine's." in rows[0]
 
 
 def test_a_failed_gpt_neo_variant_shows_its_error_text_in_the_variants_table():
@@ -68,12 +68,12 @@ def test_a_failed_gpt_neo_variant_shows_its_error_text_in_the_variants_table():
             if row["variant"] == "fp8-c_fc":
                 row.update(status="failed", error=error if table == "builds" else "its build failed")
     lines = render.render_section(tables).splitlines()
-    failed = [line for line in lines if line.startswith("| h200-torch | gpt-neo-125m, 256 x 256 | `fp8-c_fc` |")]
+    failed = [line for line in lines if line.startswith("| h200-torch | gpt-neo-125m, `p256-c256` | `fp8-c_fc` |")]
     assert len(failed) == 1
     assert ("failed: build.json: RuntimeError: TensorRT could not build the engine: Input 0's element type "
             "(fp8_e4m3) differs from input 1's element type (half)") in failed[0]
     assert failed[0].count("|") == 13  # the row keeps the table's 12 columns
-    measured = [line for line in lines if line.startswith("| h200-torch | gpt-neo-125m, 256 x 256 | `fp8` |")]
+    measured = [line for line in lines if line.startswith("| h200-torch | gpt-neo-125m, `p256-c256` | `fp8` |")]
     assert "failed" not in measured[0] and "62.0" in measured[0]
 
 
@@ -88,15 +88,16 @@ def test_detr_counts_render_as_counts_beside_failed_rows():
     tables = artifacts.read_json(ROOT / "results/h200-deformable-detr/deformable_detr/results/deformable_detr/tables.json",
                                  "tables")
     lines = render.render_section(tables).splitlines()
-    fp16 = [line for line in lines if line.startswith("| h200-torch | deformable-detr, 800 x 800 | `fp16` |")]
+    fp16 = [line for line in lines if line.startswith("| h200-torch | deformable-detr, `800x800` | `fp16` |")]
     assert len(fp16) == 1 and "(2 jobs)" in fp16[0] and fp16[0].endswith("| 0 / 64 |")
-    eager = [line for line in lines if line.startswith("| h200-eager | deformable-detr, 800 x 800 | `fp8-add-heads` |")]
+    eager = [line for line in lines if line.startswith("| h200-eager | deformable-detr, `800x800` | `fp8-add-heads` |")]
     assert len(eager) == 1 and "failed: RuntimeError: Cannot copy between CPU and CUDA tensors" in eager[0]
 
 
 def test_a_condition_on_a_setting_names_it_with_this_runs_values():
-    """A decision condition limited to a setting shows that setting's own values (the tiny run's w256 is a
-    64-token window), never a typed label; a condition on no setting shows its name alone."""
+    """A decision condition limited to a setting names it, and the settings line under the verdict gives
+    that setting's own values (the tiny run's w256 is a 64-token window), never a typed label; a condition
+    on no setting shows its name alone."""
     from quantstudy import artifacts
 
     from conftest import ROOT
@@ -111,8 +112,10 @@ def test_a_condition_on_a_setting_names_it_with_this_runs_values():
         {"name": "non-finite outputs", "column": "nonfinite", "reduce": "sum", "compare": "==", "observed": 0,
          "threshold": 0, "pass": True, "note": "", "rows": {}}]
     rows = [line for line in render.render_section(tables).splitlines() if line.startswith("- **")]
-    assert rows[0].startswith("- **not met: speed-up at the manifest window (every row) (setting `w256`: window 64, "
-                              "batch 1).** `fp8`: 0.90x to 1.20x")
+    assert rows[0].startswith("- **not met: speed-up at the manifest window (every row) (setting `w256`).** "
+                              "`fp8`: 0.90x to 1.20x")
+    settings = next(x for x in render.render_section(tables).splitlines() if x.startswith("Settings, "))
+    assert "`w256`: window 64, batch 1" in settings
     assert "Needs at least 1.10x." in rows[0]
     assert rows[1].startswith("- **met: non-finite outputs.** `fp8`: 0. Needs exactly 0.")
 
@@ -161,10 +164,11 @@ def test_a_percentage_carries_the_precision_its_samples_support():
     assert render.mib(310_000) == "0.296" and render.mib(71_000_000) == "67.7" and render.pct0(-0.2749) == "-27%"
 
 
-def test_no_label_contradicts_its_setting():
+def test_each_setting_has_one_label_and_its_shape_once():
     """The tiny override shrinks DeBERTa's settings (w256 is a 64-token window there, b32-w256 batch 8 x 64):
-    every label the README prints is made from the values, so outside link targets no setting name is
-    shown as a label, and no row says 256 tokens."""
+    every table, link, verdict and the audit's chain name a setting by its name, and the settings line under
+    the verdict gives its shape once, from this run's values; no label made of values ("64", "batch 8 x 64")
+    stands for a setting anywhere else, and no row says 256 tokens."""
     from quantstudy import artifacts
 
     from conftest import ROOT
@@ -174,13 +178,13 @@ def test_no_label_contradicts_its_setting():
     for name, (batch, window) in shrunk.items():
         if name in tables["spec"]["settings"]:
             tables["spec"]["settings"][name].update(batch=batch, window=window)
-    for c in (*tables["decision"]["conditions"], *tables["spec"]["decision"]["conditions"]):
-        c["name"] = re.sub(r" \(setting w256: .*?; ", " (", c["name"])  # the label this evidence's config typed in
-    text = re.sub(r"\]\([^)]*\)", "]()", render.render_section(tables))  # link targets are paths, named by setting
-    text = text.replace("setting `w256`: window 64, batch 1", "")  # the verdict names the setting with its values
-    for name in shrunk:
-        assert not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text), name
-    assert "deberta-v3-base, 64 |" in text and "deberta-v3-base, 256 |" not in text
+    section = render.render_section(tables)
+    [settings] = [line for line in section.splitlines() if line.startswith("Settings, ")]
+    for name, (batch, window) in shrunk.items():
+        assert section.count(f"window {window}, batch {batch}") == 1 and f"`{name}`: window {window}, batch {batch}" in settings
+    rows = [line for line in section.splitlines() if line.startswith("| deberta-v3-base")]
+    assert rows and all(re.match(r"\| deberta-v3-base(-mnli)?, `(w128|w256|w512|b32-w256)` \|", line) for line in rows), rows
+    assert "batch 8 x" not in section and "deberta-v3-base, 64 |" not in section and "deberta-v3-base, 256 |" not in section
 
 
 EVIDENCE_BY_FAMILY = {
@@ -235,3 +239,93 @@ def test_a_threshold_is_printed_as_configured_beside_values_at_their_samples_pre
 def test_a_variants_transform_parameters_read_as_words_not_json():
     assert render.params_text({"factor": 64, "when": {"window": [512]}}) == "factor 64, when window 512"
     assert render.params_text({"exclude": ["*.output.dense", "*.qkv"]}) == "exclude *.output.dense / *.qkv"
+
+
+def test_a_range_in_words_names_its_unit_once():
+    assert render.span({"min": 48.1, "max": 48.7}, lambda v: render.num(v, 1), " times") == "48.1 to 48.7 times"
+    assert render.span({"min": 48.1, "max": 48.1}, lambda v: render.num(v, 1), " times") == "48.1 times"
+
+
+def test_a_bound_with_no_f_says_so_instead_of_an_empty_sentence():
+    """The embedded default's CPU rows have a bound cell (why it is withheld) and no f: the sentence on
+    how f was found must not read "f was found ."."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-torch-repeats/results/fnet/tables.json", "tables")
+    assert "f was found on `h200-torch` by shape [M, K, N]." in render.render_section(tables)
+    tables["bound"]["f_bases"] = {"h200-torch": []}
+    section = render.render_section(tables)
+    assert "f was found" not in section
+    assert "([how it is computed](../../docs/reading-a-study.md#the-amdahl-bound)); no row has one: its cell says why." in section
+
+
+def test_detr_gemm_rows_count_only_what_they_cover():
+    """Deformable DETR's GEMM sentence names how many rows it covers out of those profiled for both the
+    baseline and the candidate, not "every target and size" when a disagreeing profile was left out."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-deformable-detr/run-2026-12-05/results/deformable_detr/tables.json",
+                                 "tables")
+    line = next(x for x in render.render_section(tables).splitlines() if x.startswith("- GEMM time per call"))
+    assert "(all 3 rows profiled for both)" in line
+    next(k for k in tables["kernels"] if k["target"] == "h200-eager" and k["variant"] == "fp8")["profile_agrees"] = False
+    line = next(x for x in render.render_section(tables).splitlines() if x.startswith("- GEMM time per call"))
+    assert "(2 of the 3 rows profiled for both; the others' profiles disagree)" in line
+    for k in tables["kernels"]:
+        k["profile_agrees"] = False
+    line = next(x for x in render.render_section(tables).splitlines() if x.startswith("- GEMM time saved against"))
+    assert line.endswith(": none of the 3 rows profiled for both the baseline and fp8 has profiles that agree with their timing.")
+
+
+def test_xcit_gemm_share_is_each_targets_own():
+    """XCiT's 'why' gives the FP8 GEMMs' share of profiled time per target: a second target's profile
+    (ONNX Runtime's, say) is never quoted as the study's, and a target whose profile disagrees with its
+    timing is named as left out."""
+    import copy
+
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
+    tables["targets"]["cpu-onnxruntime"] = {"backend": "onnxruntime", "device": "cpu", "version": None}
+    for k in [k for k in tables["kernels"] if k["variant"] == "fp8" and k["batch"] == 1]:
+        other = copy.deepcopy(k) | {"target": "cpu-onnxruntime", "total_ms": 10.0}
+        other["groups_ms"] = {"FP8 GEMMs": 5.0, "other": 5.0}
+        tables["kernels"].append(other)
+
+    def why():
+        return next(x for x in render.render_section(tables).splitlines() if x.startswith("At batch 1 the FP8 GEMMs"))
+
+    assert ("24% to 25% on `h200-torch` (torch); 50% on `cpu-onnxruntime` (onnxruntime); the rest is work outside "
+            "the FP8 GEMMs.") in why()
+    for k in tables["kernels"]:
+        if k["target"] == "cpu-onnxruntime":
+            k["profile_agrees"] = False
+    assert why().endswith("24% to 25% on `h200-torch` (torch); the rest is work outside the FP8 GEMMs. Each target's "
+                          "share is its own profile's; left out: `cpu-onnxruntime` (its profile disagrees with its timing).")
+
+
+def test_the_front_page_names_the_run_kind_before_its_decisions(tmp_path):
+    """The report's front page says which run decided (a smoke run on tiny random-init models decides
+    nothing about the real checkpoints) before one line per study: its decision and the conditions it
+    misses, with what was measured and what was needed."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    paths = [ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json",
+             ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json"]
+    out = tmp_path / "decisions.rst"
+    render.front_page(paths, out)
+    lines = out.read_text().splitlines()
+    run = artifacts.read_json(paths[0], "tables")["run"]
+    note = run["note"].replace("_", "\\_")  # reStructuredText: xcit\_nano, not an emphasis
+    assert lines[0] == f"**Run {run['name']} ({run['weights']} weights). {note}**"
+    studies = [line for line in lines if line.startswith("- **")]
+    assert len(studies) == 2 and studies[0].startswith("- **GPT-Neo: do not ship fp8** (2 of 4 conditions not met: ")
+    assert "next-token KL against PyTorch bf16 (every row), 62.0 times, needs at most 5.0 times the fp16 engine's" in studies[0]

@@ -38,8 +38,8 @@ def test_failing_variant_is_rendered_and_the_others_complete(workflow_copy):
         assert json.loads((variant_dir / variant / "quality.json").read_text())["status"] == "ok"
     readme = (workflow_copy / "results/fnet/README.md").read_text()
     assert re.search(r"\| \[build\.json\]\(cpu-torch/fnet-base/w512/fp8-broken/build\.json\) \| cpu-torch \| "
-                     r"fnet-base, 512 \| fp8-broken \| .*selects no layer", readme)
-    fp8_row = next(line for line in readme.splitlines() if line.startswith("| fnet-base, 512 | cpu-torch | fp8 |"))
+                     r"fnet-base, `w512` \| fp8-broken \| .*selects no layer", readme)
+    fp8_row = next(line for line in readme.splitlines() if line.startswith("| fnet-base, `w512` | cpu-torch | fp8 |"))
     assert "failed" not in fp8_row and "%" in fp8_row
 
 
@@ -633,7 +633,7 @@ def test_each_built_variant_has_a_measurements_record_read_from_its_files(workfl
 
     readme = (workflow_copy / "results/fnet/README.md").read_text()
     row = next(line for line in readme.splitlines()
-               if line.startswith("| cpu-onnxruntime | fnet-base, 512 | fp8 |") and "measurements.json" in line)
+               if line.startswith("| cpu-onnxruntime | fnet-base, `w512` | fp8 |") and "measurements.json" in line)
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[4] == str(len(build["fp8_layers"])) and cells[7] == "21"
     assert cells[8] == f"{ops['QuantizeLinear']} / {ops['DequantizeLinear']}"
@@ -831,7 +831,8 @@ def _chromium() -> str | None:
 def test_the_readme_page_renders_in_a_browser_with_its_plot_and_no_dead_link(workflow_copy, tmp_path):
     """Each study's README page (the report's) opened in headless Chromium, as a reader sees it: the
     plot has loaded (the candidate's orange and the shaded ship region are on the screenshot), the
-    verdict is at the top, the folds are closed, and every link of the page opens a file it carries."""
+    verdict is at the top, the folds are closed, and every link of the page points at a file it carries
+    (clicks: test_browser)."""
     import subprocess
 
     import numpy as np
@@ -854,7 +855,62 @@ def test_the_readme_page_renders_in_a_browser_with_its_plot_and_no_dead_link(wor
     assert body.index("Do not ship") < body.index("<img") < body.index("<details")
     assert "<details open" not in body
     links = re.findall(r'<a href="([^"]*)"', body)
-    assert links and all(href.startswith("data:") for href in links), [h for h in links if not h.startswith("data:")]
+    ids = set(re.findall(r' id="([^"]+)"', body))
+    assert links and all(href[1:] in ids for href in links), [h for h in links if h[1:] not in ids]
+
+
+def report_in_a_browser(report: Path, run_name: str, decisions: dict[str, str]) -> None:
+    """The report as a reader at 1400 x 1000 sees it: the run's name and each study's decision on the front
+    page without scrolling, then each README page (shown as the report shows it: its app's view of the
+    page's data: URI in its frame) with its verdict and plot."""
+    import time
+
+    from quantstudy.devtools import Browser
+
+    with Browser(_chromium(), 1400, 1000) as browser:
+        browser.open(report.as_uri())
+        blocks = browser.js("""[...document.querySelectorAll('#app p, #app li')].map(e => {
+            const r = e.getBoundingClientRect(); return {top: r.top, bottom: r.bottom, text: e.textContent}; })""")
+        for wanted in [f"Run {run_name} ", *(f"{title}: {d}" for title, d in decisions.items())]:
+            found = [b for b in blocks if wanted in b["text"]]
+            assert found, f"{wanted!r} is not on the front page"
+            assert all(0 <= b["top"] and b["bottom"] <= 1000 for b in found), (wanted, found)
+        pages = browser.js("Object.keys(results).filter(k => results[k].mime_type === 'text/html')")
+        assert len(pages) == len(decisions), pages
+        for page in pages:
+            browser.js(f"app.setView({{content: 'html', contentPath: results[{json.dumps(page)}].data_uri}})")
+            shown = None
+            for _ in range(100):  # the frame is drawn by React, then loads: ask until it has loaded
+                frames = [f for f in browser.frames() if f["url"].startswith("data:text/html")]
+                try:
+                    shown = frames and browser.js("""document.readyState === 'complete' && {
+                        heading: (document.querySelector('h2') || {}).textContent || null,
+                        plot: [...document.images].some(i => i.complete && i.naturalWidth > 500)}""",
+                                                  frame=frames[-1]["id"])
+                except RuntimeError:  # the frame went away while asked (React drew it again)
+                    shown = None
+                if shown:
+                    break
+                time.sleep(0.1)
+            assert shown, f"{page}: the report's frame never finished loading"
+            assert shown["heading"] and shown["heading"].startswith("FP8 quantization study:"), (page, shown)
+            assert shown["plot"], f"{page}: the plot did not load in the report's frame"
+
+
+@pytest.mark.skipif(not _chromium(), reason="no headless Chromium (apt-get install chromium)")
+def test_the_report_shows_the_run_kind_and_decisions_first_and_every_readme_page(workflow_copy, tmp_path):
+    """`snakemake --report` in headless Chromium: the front page's run kind and decisions are visible
+    without scrolling at 1400 x 1000 (the report centred a tall front page, cutting its top off), and
+    every study's README page renders in the report's frame (a page past 2 MiB as a data: URI is blank)."""
+    report = tmp_path / "report.html"
+    proc = snakemake(workflow_copy, "--configfile", ".test/config.yaml", "--report", str(report))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = yaml.safe_load((workflow_copy / ".test/config.yaml").read_text())["run"]
+    decisions = {}
+    for tables in sorted((workflow_copy / "results").glob("*/tables.json")):
+        t = json.loads(tables.read_text())
+        decisions[t["title"]] = f"{'ship' if t['decision']['ship'] else 'do not ship'} {t['decision']['candidate']}"
+    report_in_a_browser(report, run["name"], decisions)
 
 
 def test_every_rendered_readme_has_whole_tables_and_no_dead_link(workflow_copy):

@@ -112,12 +112,13 @@ def test_render_shows_the_spread_across_jobs_only_where_it_was_measured():
     assert "| x (round range) | x across jobs (spread) |" in section
     across_jobs = {line.split(" | ")[0]: line.removesuffix(" |").rsplit(" | ", 1)[1]  # a speed row's last cell
                    for line in section.splitlines() if line.startswith("| deberta-v3-base, ") and "/timing.json" in line}
-    assert across_jobs == {"| deberta-v3-base, 128": "1.06 to 1.06 (0.10%)", "| deberta-v3-base, 256": "1.03 to 1.03 (0.00%)",
-                           "| deberta-v3-base, 512": "1.00 to 1.02 (1.98%)",
-                           "| deberta-v3-base, batch 32 x 256": "1.01 to 1.01 (0.00%)"}
+    assert across_jobs == {"| deberta-v3-base, `w128`": "1.06 to 1.06 (0.10%)",
+                           "| deberta-v3-base, `w256`": "1.03 to 1.03 (0.00%)",
+                           "| deberta-v3-base, `w512`": "1.00 to 1.02 (1.98%)",
+                           "| deberta-v3-base, `b32-w256`": "1.01 to 1.01 (0.00%)"}
     assert f"Across timing jobs, {cand}'s x moved by 0.00% to 1.98%." in section
     # Within noise: |x - 1| <= the range of x across jobs, which only w512 meets (x about 1.009, range 0.02).
-    assert f"Within that noise these rows do not tell {cand} from its baseline: deberta-v3-base, 512 on `h200-torch`." in section
+    assert f"Within that noise these rows do not tell {cand} from its baseline: deberta-v3-base, `w512` on `h200-torch`." in section
     w512 = next(r for r in t["speed"] if r["variant"] == cand and r["setting"] == "w512")
     assert statistics.median(w512["x_by_repeat"]) == w512["x"]
 

@@ -313,13 +313,18 @@ def _with_bounds(speed: pd.DataFrame, gemms: dict, kernels: dict, baselines: dic
     return pd.concat([speed, pd.DataFrame(bounds, index=speed.index, columns=list(BOUND_COLUMNS))], axis=1)
 
 
-def _with_timed(kernels: pd.DataFrame, speed: pd.DataFrame) -> pd.DataFrame:
+def _with_timed(kernels: pd.DataFrame, speed: pd.DataFrame, baselines: dict[str, str], candidate: str) -> pd.DataFrame:
     """Beside each profile, the timed median of the same call (target, model, setting, graph, variant:
-    its own timing row) and whether the two agree (bound.profile_agrees): a profile that does not is
-    no split of the timed call, and what is read from it is withheld."""
-    timed = {} if not len(speed) else {
-        (r["target"], r["model"], r["setting"], r.get("graph") or "main", r["variant"]): r.get("variant_ms")
-        for r in _records(speed) if r["status"] == "ok"}
+    its own timing row; a baseline's, the one timed beside the candidate, which the speed table shows) and
+    whether the two agree (bound.profile_agrees): a profile that does not is no split of the timed call, and
+    what is read from it is withheld."""
+    timed = {}
+    for r in _records(speed) if len(speed) else []:
+        if r["status"] == "ok":
+            where = (r["target"], r["model"], r["setting"], r.get("graph") or "main")
+            timed.setdefault((*where, r["variant"]), r.get("variant_ms"))
+            if r["variant"] == candidate and not _missing(r.get("baseline_ms")):  # one time per baseline engine: the candidate's pair
+                timed[(*where, baselines.get(r["setting"]))] = r.get("baseline_ms")
     rows = []
     for r in _records(kernels):
         ms = timed.get((r["target"], r["model"], r["setting"], r.get("graph") or "main", r["variant"]))
@@ -551,7 +556,7 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
             gemms[tuple(Path(path).parts[-4:-1])] = (path, None)
     threshold = (study.get("bound") or {}).get("at_limit", bound.AT_LIMIT)
     if len(kernels):
-        kernels = _with_timed(kernels, speed)
+        kernels = _with_timed(kernels, speed, baselines, study["candidate"])
     # One judgement per profile: the kernel table's and the bound's.
     profiles = {(r["target"], r["model"], r["setting"], r.get("graph") or "main", r["variant"]): r
                 for r in _records(kernels)} if len(kernels) else {}

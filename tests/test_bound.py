@@ -297,7 +297,7 @@ def test_a_profile_far_from_its_timing_withholds_the_bound(timed_ms, withheld):
     kernels = {("cpu-torch", "m", "w128", "fp16"): ("kernels.json", _kernels_doc())}
     key = {"target": "cpu-torch", "model": "m", "setting": "w128", "graph": "main", "variant": "fp16", "status": "ok"}
     judged = aggregate._with_timed(pd.DataFrame([{**key, "total_ms": 10.0}]),
-                                   pd.DataFrame([{**key, "variant_ms": timed_ms}])).iloc[0].to_dict()
+                                   pd.DataFrame([{**key, "variant_ms": timed_ms}]), {"w128": "fp16"}, "fp8").iloc[0].to_dict()
     b = aggregate._bound(ROW, gemms, kernels, "fp16", 0.9,
                          {("cpu-torch", "m", "w128", "main", "fp16"): judged})
     if withheld:
@@ -319,7 +319,20 @@ def test_each_profile_row_carries_its_timing_and_whether_they_agree():
     speed = pd.DataFrame([{**key, "variant": "fp16", "status": "ok", "variant_ms": 38.5},
                           {**key, "variant": "fp8", "status": "ok", "variant_ms": 38.5},
                           {**key, "variant": "fp32", "status": "failed", "variant_ms": None}])
-    rows = aggregate._with_timed(kernels, speed).set_index("variant")
+    rows = aggregate._with_timed(kernels, speed, {"s": "fp16"}, "fp8").set_index("variant")
     assert rows.loc["fp16", "profile_agrees"] is False and rows.loc["fp16", "profile_vs_timed"] == pytest.approx(933 / 38.5)
     assert rows.loc["fp8", "profile_agrees"] is True and rows.loc["fp8", "timed_ms"] == 38.5
     assert rows.loc["fp32", "profile_agrees"] is None
+
+
+def test_a_baselines_profile_is_set_beside_the_time_the_speed_table_shows():
+    """One time per baseline engine on a page: the one timed beside the candidate (the speed table's
+    baseline ms), not the baseline's own job (DeBERTa base b32: 2.185 ms beside fp8, 3.345 ms alone)."""
+    import pandas as pd
+
+    key = {"target": "t", "model": "m", "setting": "s", "graph": "main", "status": "ok"}
+    kernels = pd.DataFrame([{**key, "variant": "fp16", "total_ms": 2.5}, {**key, "variant": "fp8", "total_ms": 2.0}])
+    speed = pd.DataFrame([{**key, "variant": "fp16", "variant_ms": 3.345, "baseline_ms": 3.345},
+                          {**key, "variant": "fp8", "variant_ms": 1.9, "baseline_ms": 2.185}])
+    rows = aggregate._with_timed(kernels, speed, {"s": "fp16"}, "fp8").set_index("variant")
+    assert rows.loc["fp16", "timed_ms"] == 2.185 and rows.loc["fp8", "timed_ms"] == 1.9

@@ -329,3 +329,20 @@ def test_the_front_page_names_the_run_kind_before_its_decisions(tmp_path):
     studies = [line for line in lines if line.startswith("- **")]
     assert len(studies) == 2 and studies[0].startswith("- **GPT-Neo: do not ship fp8** (2 of 4 conditions not met: ")
     assert "next-token KL against PyTorch bf16 (every row), 62.0 times, needs at most 5.0 times the fp16 engine's" in studies[0]
+
+
+def test_a_baselines_ms_beside_a_variants_is_the_pair_its_x_came_from():
+    """The speed table's other variants and fp32 show each variant's ms over the baseline ms of its own
+    job, with the x of the two (GPT-Neo's H200 evidence: fp8-c_fc's prefill, timed beside fp16)."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json", "tables")
+    section = render.render_section(tables)
+    assert "other variants: ms / their baseline ms (x) |" in section
+    row = next(r for r in tables["speed"] if r["variant"] == "fp8-c_fc" and r["graph"] == "prefill")
+    candidate = next(r for r in tables["speed"] if r["variant"] == "fp8" and r["graph"] == "prefill")
+    assert row["baseline_ms"] != candidate["baseline_ms"]  # two jobs, two times of the one baseline engine
+    shown = f"{row['variant_ms']:.3f} / {row['baseline_ms']:.3f}"
+    assert f"fp8-c_fc: [{shown}](" in section and f"({row['x']:.2f}x)" in section

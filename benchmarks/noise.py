@@ -2,10 +2,10 @@
 of a setting (each variant's job times its baseline beside it), max over min, per setting.
 
     .venv/bin/python benchmarks/noise.py [RESULTS_DIR]      # a finished run (default results/)
-    .venv/bin/python benchmarks/noise.py --run [--cores 2]  # the embedded default in a copy of this checkout
+    .venv/bin/python benchmarks/noise.py --run [--cores 2] [--keep DIR]  # the embedded default in a copy of this checkout
 
 The goal for a quiet machine (issue 39): at most 1.25 for every setting of the embedded default. It also
-prints the noise model the comparisons use (reproduce.timing_noise: the spread between jobs, pooled),
+prints the noise model the comparisons use (timing.timing_noise: the spread between jobs, pooled),
 and with --run the main job's wall time.
 """
 
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from quantstudy.devtools import copy_checkout, snakemake
-from quantstudy.reproduce import timing_noise
+from quantstudy.timing import timing_noise
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL = 1.25
@@ -65,12 +65,13 @@ def main() -> None:
     parser.add_argument("results", nargs="?", type=Path, default=ROOT / "results")
     parser.add_argument("--run", action="store_true", help="run the embedded default in a copy of this checkout")
     parser.add_argument("--cores", type=int, default=2)
+    parser.add_argument("--keep", type=Path, help="with --run: run in this new folder and keep it (default: a temporary one)")
     args = parser.parse_args()
     if not args.run:
         report(args.results)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        repo = copy_checkout(ROOT, Path(tmp) / "repo")
+        repo = copy_checkout(ROOT, args.keep or Path(tmp) / "repo")
         start = time.perf_counter()
         proc = snakemake(repo, cores=args.cores)
         wall = time.perf_counter() - start

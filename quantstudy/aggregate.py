@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 import pandas as pd
 
-from quantstudy import bound
+from quantstudy import bound, compare, timing
 from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, sha256_file, write_json
 from quantstudy.config import PUBLISHED_KEYS, UNIT_SCALE, calibration_sample_sets, load_published, shape_of
 from quantstudy.families.base import measured_against
@@ -100,9 +100,14 @@ def _rows(paths: list[str], kind: str, flatten_doc: Callable[[dict], Iterable[di
 
 def _speed(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
     for graph, g in doc["graphs"].items():
+        # x's interval from its paired rounds, resampled (compare.speedup_of); the spread between jobs is added
+        # once the study's is known (_with_x_intervals)
+        low, high = compare.speedup_of(g["baseline_ms"]["samples_ms"], g["variant_ms"]["samples_ms"]
+                                       ).interval(compare.VERDICT_LEVEL)
         yield {"graph": graph, "repeat": doc.get("repeat", 1), "baseline": doc["baseline"], "batch": doc["batch"],
                **doc["shape"], "variant_ms": g["variant_ms"]["median_ms"], "variant_spread": g["variant_ms"]["spread"],
-               "baseline_ms": g["baseline_ms"]["median_ms"], "x": g["x"], "x_min": g["x_min"], "x_max": g["x_max"]}
+               "baseline_ms": g["baseline_ms"]["median_ms"], "x": g["x"], "x_min": g["x_min"], "x_max": g["x_max"],
+               "x_rounds_low": low, "x_rounds_high": high}
 
 
 def _per_engine(jobs: list[dict[str, Any]], combine: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
@@ -145,6 +150,9 @@ def across_repeats(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                          "variant_spread": statistics.median(r["variant_spread"] for r in graph_rows),
                          "baseline_ms": statistics.median(r["baseline_ms"] for r in graph_rows),
                          "x": median, "x_min": min(r["x_min"] for r in graph_rows),
+                         # the widest of the jobs' rounds intervals, relative to each job's x, around the median
+                         "x_rounds_low": _widest(median, graph_rows, "x_rounds_low", min),
+                         "x_rounds_high": _widest(median, graph_rows, "x_rounds_high", max),
                          "x_max": max(r["x_max"] for r in graph_rows), "x_by_repeat": xs,
                          "x_jobs_min": min(measured) if several else None,
                          "x_jobs_max": max(measured) if several else None,
@@ -153,6 +161,12 @@ def across_repeats(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return rows
 
     return _per_engine(jobs, combine)
+
+
+def _widest(x: float | None, rows: list[dict[str, Any]], end: str, pick: Callable) -> float | None:
+    """One end of the widest of the jobs' rounds intervals of x, relative to each job's x, around `x`."""
+    shares = [r[end] / r["x"] for r in rows if not _missing(r.get(end)) and not _missing(r.get("x"))]
+    return x * pick(shares) if x and len(shares) == len(rows) else None
 
 
 def _quality(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
@@ -313,6 +327,18 @@ def _with_bounds(speed: pd.DataFrame, gemms: dict, kernels: dict, baselines: dic
     return pd.concat([speed, pd.DataFrame(bounds, index=speed.index, columns=list(BOUND_COLUMNS))], axis=1)
 
 
+def _with_x_intervals(speed: pd.DataFrame, noise: dict[str, Any]) -> pd.DataFrame:
+    """Each row's interval of x (`x_low`, `x_high`): its rounds' (resampled) and the study's spread between
+    jobs (timing.timing_noise) over the row's jobs, combined (compare.combined_interval)."""
+    def interval(r: dict[str, Any]) -> tuple[float | None, float | None]:
+        if r.get("status") != "ok" or _missing(r.get("x")) or _missing(r.get("x_rounds_low")):
+            return None, None
+        return compare.combined_interval(r["x"], (r["x_rounds_low"], r["x_rounds_high"]), between_jobs=noise["x"],
+                                         jobs=int(r.get("repeats") or 1))
+    ends = [interval(r) for r in _records(speed)]
+    return speed.assign(x_low=[lo for lo, _ in ends], x_high=[hi for _, hi in ends])
+
+
 def _with_timed(kernels: pd.DataFrame, speed: pd.DataFrame, baselines: dict[str, str], candidate: str) -> pd.DataFrame:
     """Beside each profile, the timed median of the same call (target, model, setting, graph, variant:
     its own timing row; a baseline's, the one timed beside the candidate, which the speed table shows) and
@@ -342,7 +368,7 @@ def _missing(v: Any) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
-def condition(spec: dict[str, Any], rows: pd.DataFrame) -> dict[str, Any]:
+def condition(spec: dict[str, Any], rows: pd.DataFrame, noise: dict[str, Any] | None = None) -> dict[str, Any]:
     """One decision condition over the candidate's rows of a table: reduce a column, compare.
 
     A condition with no rows, or with a row whose value is missing (not measured, NaN), is not
@@ -368,7 +394,50 @@ def condition(spec: dict[str, Any], rows: pd.DataFrame) -> dict[str, Any]:
             "observed": observed, "threshold": int(threshold) if float(threshold).is_integer() else threshold,
             "pass": bool(met), "note": note, "rows": dict(spec.get("rows") or {}), "n": len(present),
             "basis": spec.get("basis"), "samples": spec.get("samples"), "units": spec.get("units"),
-            "table": spec["table"]}
+            "table": spec["table"],
+            **_uncertainty(spec, [r for r in _records(rows) if not _missing(r.get(column))] if column in rows else [],
+                           bool(met), bool(missing) or not present, noise)}
+
+
+def _row_interval(spec: dict[str, Any], row: dict[str, Any]) -> tuple[tuple[float, float] | None, str | None]:
+    """A row's interval of the condition's column (compare.VERDICT_LEVEL) and what it is made of: x from its
+    rounds and the spread between jobs; a rate over `n` samples (the condition's `n` column): Wilson."""
+    if spec["column"] == "x" and not _missing(row.get("x_low")):
+        return (row["x_low"], row["x_high"]), "rounds and jobs"
+    if spec.get("n") and not _missing(row.get(spec["n"])) and row[spec["n"]] > 0:
+        n = int(row[spec["n"]])
+        return compare.wilson(round(row[spec["column"]] * n), n, compare.VERDICT_LEVEL), f"Wilson, n = {n}"
+    return None, None
+
+
+def _uncertainty(spec: dict[str, Any], rows: list[dict[str, Any]], met: bool, unmeasured: bool,
+                 noise: dict[str, Any] | None) -> dict[str, Any]:
+    """Whether this run resolves the condition: every row's interval on the threshold's one side ("met" /
+    "not met"), or one straddling it ("within the noise"; how many samples or timing jobs would resolve it).
+    Sums and means of counts are exact; a column with no interval (no per-sample values kept) is judged
+    on its values, and says so (`interval_kind` None)."""
+    exact = {"resolved": "met" if met else "not met", "interval": None, "interval_kind": None, "to_resolve": None}
+    if unmeasured or spec["reduce"] not in ("min", "max"):
+        return exact
+    judged = [(r, *_row_interval(spec, r)) for r in rows]
+    if any(interval is None for _, interval, _ in judged):
+        return exact
+    op, threshold = spec["compare"], spec["threshold"]
+    states = [compare.against_threshold(r[spec["column"]], interval, op, threshold) for r, interval, _ in judged]
+    resolved = "not met" if "not met" in states else "within the noise" if "within the noise" in states else "met"
+    to_resolve = None
+    if resolved == "within the noise":
+        straddling = [r for (r, _, _), state in zip(judged, states) if state == "within the noise"]
+        if spec["column"] == "x":
+            counts = [compare.jobs_to_resolve(r["x"], (r["x_rounds_low"], r["x_rounds_high"]), (noise or {}).get("x", 0.0),
+                                              threshold) for r in straddling]
+            unit, otherwise = "timing jobs a row", "more rounds a job first (its rounds alone straddle the threshold)"
+        else:
+            counts = [compare.samples_to_resolve(r[spec["column"]], int(r[spec["n"]]), threshold) for r in straddling]
+            unit, otherwise = "samples a row", "no number of samples (a row sits on the threshold)"
+        to_resolve = otherwise if None in counts else f"{max(counts)} {unit}"
+    return {"resolved": resolved, "interval": {"min": min(i[0] for _, i, _ in judged), "max": max(i[1] for _, i, _ in judged)},
+            "interval_kind": judged[0][2].split(",")[0] if judged else None, "to_resolve": to_resolve}
 
 
 # What makes two rows of a table the same measurement of two variants.
@@ -391,7 +460,8 @@ def relative(frame: pd.DataFrame, column: str, other: str, candidate: str) -> pd
     return joined.drop(columns="_other")
 
 
-def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame], baselines: dict[str, str]) -> dict[str, Any]:
+def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame], baselines: dict[str, str],
+           noise: dict[str, Any] | None = None) -> dict[str, Any]:
     """Apply the study's decision rule to the candidate variant's rows; every condition is shown.
 
     A condition with `relative_to: <variant>` compares each candidate row's value over that
@@ -412,7 +482,7 @@ def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame], baselines: di
             result = condition({**c, "column": column}, relative(tables[c["table"]], c["column"], c["relative_to"], cand))
             conditions.append({**result, "relative_to": c["relative_to"], "baseline": None})
             continue
-        result = condition(c, mine[c["table"]])
+        result = condition(c, mine[c["table"]], noise)
         frame = tables[c["table"]]
         result["baseline"] = None
         if c["table"] == "quality" and len(frame):
@@ -429,8 +499,11 @@ def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame], baselines: di
         conditions.append({"name": "every measurement of the candidate succeeded", "observed": len(failed),
                            "threshold": 0, "pass": False, "note": "failed: " + ", ".join(sorted(set(failed))),
                            "basis": "every study: a candidate with a failed measurement is not judged on the rest",
-                           "baseline": None, "n": len(failed), "samples": None, "rows": {}})
-    return {"candidate": cand, "ship": all(c["pass"] for c in conditions), "conditions": conditions}
+                           "baseline": None, "n": len(failed), "samples": None, "rows": {}, "resolved": "not met",
+                           "interval": None, "interval_kind": None, "to_resolve": None})
+    return {"candidate": cand, "ship": all(c["pass"] for c in conditions), "conditions": conditions,
+            # the conditions this run cannot resolve: the verdict rests on their measured values alone
+            "within_noise": [c["name"] for c in conditions if c.get("resolved") == "within the noise"]}
 
 
 def _cell(row: dict[str, Any], column: str) -> Any:
@@ -560,7 +633,9 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
     # One judgement per profile: the kernel table's and the bound's.
     profiles = {(r["target"], r["model"], r["setting"], r.get("graph") or "main", r["variant"]): r
                 for r in _records(kernels)} if len(kernels) else {}
+    noise = timing.timing_noise([doc for _, doc in _readable(inputs["timings"], "timing", [])])
     if len(speed):
+        speed = _with_x_intervals(speed, noise)
         speed = _with_bounds(speed, gemms, {(d["target"], d["model"], d["setting"], d["variant"]): (p, d)
                                             for p, d in kernel_files}, baselines, threshold, profiles)
     log.info("%d timing, %d quality, %d build, %d kernel rows", len(speed), len(quality), len(builds), len(kernels))
@@ -586,7 +661,8 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
         "samples": samples,
         "speed": _records(speed), "quality": _records(quality), "builds": _records(builds),
         "kernels": _records(kernels), "records": _records(records), "references": references, "calibration": calibration,
-        "decision": decide(study, {"speed": speed, "quality": quality}, baselines), "damaged": damaged,
+        "timing_noise": noise,
+        "decision": decide(study, {"speed": speed, "quality": quality}, baselines, noise), "damaged": damaged,
         "published": published_rows,
         "published_from": None if published is None else {k: published[k] for k in ("file", "seed", "weights", "runs",
                                                                                       "tolerances")}}

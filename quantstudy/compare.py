@@ -204,3 +204,68 @@ def wilson(successes: int, n: int, level: float = 0.95) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+# A verdict's intervals: the conventional 95% (reproduce's 99% guards against accusing an honest job).
+VERDICT_LEVEL = 0.95
+
+
+def combined_interval(value: float, *intervals: tuple[float, float], between_jobs: float = 0.0, jobs: int = 1,
+                      level: float = VERDICT_LEVEL) -> tuple[float, float]:
+    """A positive value's interval from independent sources of noise: the intervals of each (e.g. its
+    rounds, resampled), and a spread between jobs (sd of log) over `jobs` jobs; half-widths add in
+    quadrature in log space."""
+    z = statistics.NormalDist().inv_cdf(0.5 + level / 2)
+    widen = z * between_jobs / math.sqrt(jobs)
+    below = math.sqrt(sum(math.log(value / lo) ** 2 for lo, _ in intervals) + widen ** 2)
+    above = math.sqrt(sum(math.log(hi / value) ** 2 for _, hi in intervals) + widen ** 2)
+    return value * math.exp(-below), value * math.exp(above)
+
+
+def against_threshold(value: float, interval: tuple[float, float] | None, op: str, threshold: float
+                      ) -> Literal["met", "not met", "within the noise"]:
+    """A measured value against a threshold: met or not where its whole interval is on one side, "within
+    the noise" where the interval straddles it (an exact value, interval None, is on one side)."""
+    import operator
+
+    test = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "==": operator.eq}[op]
+    low, high = interval or (value, value)
+    ends = {test(low, threshold), test(high, threshold)}
+    if ends == {True}:
+        return "met"
+    return "not met" if ends == {False} or op == "==" else "within the noise"
+
+
+def samples_to_resolve(rate: float, n: int, threshold: float, level: float = VERDICT_LEVEL,
+                       limit: int = 10_000_000) -> int | None:
+    """How many samples a rate measured as `rate` would need for its Wilson interval to leave out the
+    threshold (None: no number of samples would, the rate is the threshold)."""
+    if rate == threshold:
+        return None
+
+    def resolved(m: int) -> bool:
+        low, high = wilson(round(rate * m), m, level)
+        return not low <= threshold <= high
+
+    m = max(n, 1)
+    while not resolved(m):
+        if m > limit:
+            return None
+        m *= 2
+    lo = m // 2
+    while lo + 1 < m:  # the smallest m that resolves it, between the last doubling's ends
+        mid = (lo + m) // 2
+        lo, m = (lo, mid) if resolved(mid) else (mid, m)
+    return m
+
+
+def jobs_to_resolve(value: float, rounds: tuple[float, float], between_jobs: float, threshold: float,
+                    level: float = VERDICT_LEVEL) -> int | None:
+    """How many timing jobs (repeats) would make x's interval leave out the threshold, the rounds' share of
+    the interval kept as it is; None where the rounds alone straddle it (more rounds are needed first)."""
+    z = statistics.NormalDist().inv_cdf(0.5 + level / 2)
+    gap = abs(math.log(threshold / value))
+    half = math.log(value / rounds[0]) if threshold < value else math.log(rounds[1] / value)
+    if between_jobs <= 0 or gap <= half:
+        return None
+    return math.ceil((z * between_jobs) ** 2 / (gap ** 2 - half ** 2))

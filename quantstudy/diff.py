@@ -4,7 +4,7 @@
 
 A run is a results folder (`results/`, or an evidence run's `.../results`) holding `<study>/tables.json`.
 Speed rows (x, each engine's median ms) are compared by compare.compare on their timing rounds, resampled,
-with the spread between jobs each run measured (reproduce.timing_noise) and the study's minimum effects.
+with the spread between jobs each run measured (timing.timing_noise) and the study's minimum effects.
 Quality values are compared exactly: the JSONs keep no per-sample values to resample, so a difference is
 one of these samples' answers, beyond a minimum effect (QUALITY_MIN_EFFECT), not a claim about other samples.
 Rows in one run only are listed. With --fail-on, the exit status is 1 when a named column regresses in
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from quantstudy import compare
-from quantstudy.reproduce import timing_noise
+from quantstudy.timing import timing_noise
 
 KEY = ("target", "model", "setting", "variant")
 # Two quality values differ beyond this share of the larger one (a GPU's GEMM algorithm between processes

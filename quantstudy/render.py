@@ -24,6 +24,7 @@ import jinja2
 
 from quantstudy import bound
 from quantstudy.artifacts import atomic_write, read_json
+from quantstudy.compare import VERDICT_LEVEL
 from quantstudy.config import main_quality_condition, shape_of
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -157,8 +158,14 @@ def verdict(t: dict[str, Any]) -> list[dict[str, Any]]:
         if c.get("relative_to"):
             threshold += f" the `{c['relative_to']}` engine's"
         base = c.get("baseline")
+        interval = c.get("interval")
         lines.append({
             "name": c["name"], "met": c["pass"], "observed": shown(c["observed"]), "rows": c.get("n"),
+            # tables.json from before the noise model: each condition resolved as met or not
+            "resolved": c.get("resolved") or ("met" if c["pass"] else "not met"),
+            "interval": interval and (span(interval, fmt, unit) + f" ({c['interval_kind']}, "
+                                      f"{VERDICT_LEVEL:.0%} interval)"),
+            "to_resolve": c.get("to_resolve"),
             "samples": ", ".join(f"{count(s['count'])} {s['kind'].replace('_', ' ')} ({s['name']})" for s in lists),
             "timing": c.get("table") == "speed" and spec["timing"],
             "baseline": base and {"variants": base["variants"], "met": base["pass"], "observed": shown(base["observed"])},

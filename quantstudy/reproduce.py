@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from quantstudy import compare, devtools
+from quantstudy.timing import timing_noise
 from quantstudy.artifacts import DamagedArtifact, gpu_name, leaves, now, provenance, read_json, write_json
 
 # How a re-executed job's numbers are compared with the recorded ones: by compare.compare, the one
@@ -88,29 +89,6 @@ def detectable(reproduced: dict[str, Any], min_effect: dict[str, float], noise: 
     return {g: compare.compare(x.at(x.value), x, min_effect["x"], noise["x"]).detectable()
             for g, p in reproduced.get("graphs", {}).items() if p.get("x") is not None
             for x in [compare.speedup_of(p["baseline_ms"]["samples_ms"], p["variant_ms"]["samples_ms"])]}
-
-
-def timing_noise(timings: list[dict[str, Any]]) -> dict[str, Any]:
-    """The study's spread between jobs (compare.noise_between_jobs), from its timing JSONs:
-    - ms: one baseline engine's median across the jobs that timed it (each variant of a setting times its
-      baseline beside it), pooled over the baselines of every target, model, setting and graph;
-    - x: one variant's x across its repeat jobs (`timing.repeats`), pooled; where the study has no repeats,
-      the ms spread stands for it (x is a ratio of paired rounds: it moves less between jobs than an engine's
-      median does).
-    A forged job barely moves it: it is pooled over every job of the study."""
-    baselines: dict[tuple, list[float]] = {}
-    xs: dict[tuple, list[float]] = {}
-    for doc in timings:
-        if doc.get("status") != "ok":
-            continue
-        where = tuple(doc.get(k) for k in ("target", "model", "setting"))
-        for g, graph in doc["graphs"].items():
-            baselines.setdefault((*where, g, doc["baseline"]), []).append(graph["baseline_ms"]["median_ms"])
-            xs.setdefault((*where, g, doc["variant"]), []).append(graph["x"])
-    ms, ms_dof = compare.noise_between_jobs(list(baselines.values()))
-    x, x_dof = compare.noise_between_jobs(list(xs.values()))
-    return {"ms": ms, "ms_dof": ms_dof, "x": x if x_dof else ms, "x_dof": x_dof,
-            "x_from": "repeats" if x_dof else "the baselines' ms"}
 
 
 def _device_allows(doc: dict[str, Any]) -> str | None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from quantstudy.artifacts import file_lock
+from quantstudy.compare import noise_between_jobs
 
 log = logging.getLogger("quantstudy")
 
@@ -64,6 +65,29 @@ def speedup(baseline: list[float], variant: list[float]) -> dict[str, float]:
     per_round = round_ratios(baseline, variant)
     return {"x": statistics.median(baseline) / statistics.median(variant),
             "x_min": min(per_round), "x_max": max(per_round)}
+
+
+def timing_noise(timings: list[dict[str, Any]]) -> dict[str, Any]:
+    """The study's spread between jobs (noise_between_jobs), from its timing JSONs:
+    - ms: one baseline engine's median across the jobs that timed it (each variant of a setting times its
+      baseline beside it), pooled over the baselines of every target, model, setting and graph;
+    - x: one variant's x across its repeat jobs (`timing.repeats`), pooled; where the study has no repeats,
+      the ms spread stands for it (x is a ratio of paired rounds: it moves less between jobs than an engine's
+      median does).
+    A forged job barely moves it: it is pooled over every job of the study."""
+    baselines: dict[tuple, list[float]] = {}
+    xs: dict[tuple, list[float]] = {}
+    for doc in timings:
+        if doc.get("status") != "ok":
+            continue
+        where = tuple(doc.get(k) for k in ("target", "model", "setting"))
+        for g, graph in doc["graphs"].items():
+            baselines.setdefault((*where, g, doc["baseline"]), []).append(graph["baseline_ms"]["median_ms"])
+            xs.setdefault((*where, g, doc["variant"]), []).append(graph["x"])
+    ms, ms_dof = noise_between_jobs(list(baselines.values()))
+    x, x_dof = noise_between_jobs(list(xs.values()))
+    return {"ms": ms, "ms_dof": ms_dof, "x": x if x_dof else ms, "x_dof": x_dof,
+            "x_from": "repeats" if x_dof else "the baselines' ms"}
 
 
 GEMM_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul", "aten::linear",

@@ -10,7 +10,8 @@ import pytest
 
 from quantstudy import audit
 from quantstudy.audit import one_engine_problems, probes_differ
-from quantstudy.reproduce import compare_quality, compare_timing, timing_noise
+from quantstudy.reproduce import compare_quality, compare_timing
+from quantstudy.timing import timing_noise
 
 
 def _probe(values):

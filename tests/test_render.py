@@ -346,3 +346,24 @@ def test_a_baselines_ms_beside_a_variants_is_the_pair_its_x_came_from():
     assert row["baseline_ms"] != candidate["baseline_ms"]  # two jobs, two times of the one baseline engine
     shown = f"{row['variant_ms']:.3f} / {row['baseline_ms']:.3f}"
     assert f"fp8-c_fc: [{shown}](" in section and f"({row['x']:.2f}x)" in section
+
+
+def test_a_condition_straddling_its_threshold_is_rendered_within_the_noise():
+    """The verdict names it so, with its interval and what would resolve it, and the decision line says the
+    verdict rests on it (the committed XCiT evidence, one condition's interval made to straddle its bar)."""
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
+    c = tables["decision"]["conditions"][1]
+    c.update(resolved="within the noise", interval={"min": 0.93, "max": 0.99}, interval_kind="Wilson",
+             to_resolve="2400 samples a row")
+    tables["decision"]["within_noise"] = [c["name"]]
+    section = render.render_section(tables)
+    assert f"- **within the noise of this run: {c['name']}" in section
+    assert "; interval 0.9300 to 0.9900 (Wilson, 95% interval). Needs at least 0.9500." in section
+    assert "this run cannot resolve it; about 2400 samples a row would." in section
+    assert f"The verdict rests on 1 condition within the noise of this run ({c['name']})" in section
+    # the others keep their met / not met
+    assert f"- **{'met' if tables['decision']['conditions'][0]['pass'] else 'not met'}: " in section

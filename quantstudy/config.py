@@ -157,8 +157,9 @@ class Study:
 
     @property
     def timing_rounds(self) -> dict[str, int]:
-        """How each timing job times: warmup calls, rounds, calls per round (not how many jobs)."""
-        return {k: self.raw["timing"][k] for k in ("warmup", "rounds", "calls_per_round")}
+        """How each timing job times: warmup calls, rounds, calls per round, the shortest round (not how many jobs)."""
+        return {k: self.raw["timing"][k] for k in ("warmup", "rounds", "calls_per_round", "min_round_ms")
+                if k in self.raw["timing"]}
 
     @property
     def evaluation_samples(self) -> list[str]:

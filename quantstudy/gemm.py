@@ -177,7 +177,8 @@ def time_shapes(shapes: list[tuple[dict[str, Any], int, str]], target, timing: d
             runners = {p: engines[p][i] for p in engines}
             with qt.device_lock(target.device):
                 result = qt.time_interleaved(runners, timing["warmup"], timing["rounds"], timing["calls_per_round"],
-                                             (lambda line: log(f"{shape_key(call)}: {line}")) if log else None)
+                                             (lambda line: log(f"{shape_key(call)}: {line}")) if log else None,
+                                             timing.get("min_round_ms", 0.0))
                 profiles = {p: _profile(backends.get(target.backend), r) for p, r in runners.items()}
             # What the FP8 stack ran: its ops or kernels by name, with ms per call (top 8).
             ran = [{"name": n, "ms": ms} for n, ms in

@@ -572,7 +572,7 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
             pair = {name: r[g] for name, r in runners.items()}
             with qt.device_lock(tgt.device):
                 result = qt.time_interleaved(pair, timing["warmup"], timing["rounds"], timing["calls_per_round"],
-                                             lambda line: log.info("%s %s", g, line))
+                                             lambda line: log.info("%s %s", g, line), timing.get("min_round_ms", 0.0))
                 # Proof of FP8: the kernels the variant's FP8 GEMM ops launch (a short profile, after timing).
                 fp8 = qt.fp8_proof(pair[ident["variant"]])
             log.info("%s FP8 GEMMs: %s", g, fp8)

@@ -25,8 +25,11 @@ log = logging.getLogger("quantstudy")
 
 
 def time_interleaved(runners: dict[str, Any], warmup: int, rounds: int, calls: int,
-                     progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
-    """Per runner: raw per-round ms per call, median, min, max and relative spread."""
+                     progress: Callable[[str], None] | None = None, min_round_ms: float = 0.0) -> dict[str, dict[str, Any]]:
+    """Per runner: raw per-round ms per call, median, min, max and relative spread, and the calls each
+    round made. `min_round_ms` (pyperf's calibration): where one call is shorter, each round makes as many
+    calls as fill that time for the fastest runner, and the warm-up as many again, so that a few-ms call's
+    jitter and a fresh process's first slow calls do not move the median between jobs."""
     if rounds < 1 or calls < 1:
         raise ValueError(f"timing needs at least one round of one call, not {rounds} rounds of {calls}")
     names = list(runners)
@@ -34,6 +37,13 @@ def time_interleaved(runners: dict[str, Any], warmup: int, rounds: int, calls: i
         for _ in range(warmup):
             runners[name].replay()
         runners[name].synchronize()
+    if min_round_ms > 0:
+        fastest = min(_one_call_ms(runners[n]) for n in names)
+        calls = max(calls, math.ceil(min_round_ms / max(fastest, 1e-6)))
+        for name in names:  # warm up as long again as a round lasts
+            for _ in range(calls):
+                runners[name].replay()
+            runners[name].synchronize()
     samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
@@ -46,7 +56,15 @@ def time_interleaved(runners: dict[str, Any], warmup: int, rounds: int, calls: i
             samples[name].append((time.perf_counter() - start) * 1e3 / calls)
         if progress:
             progress(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {samples[n][-1]:.4f} ms" for n in names))
-    return {n: summarize(s) for n, s in samples.items()}
+    return {n: {**summarize(s), "calls_per_round": calls} for n, s in samples.items()}
+
+
+def _one_call_ms(runner: Any) -> float:
+    runner.synchronize()
+    start = time.perf_counter()
+    runner.replay()
+    runner.synchronize()
+    return (time.perf_counter() - start) * 1e3
 
 
 def summarize(samples: list[float]) -> dict[str, Any]:
@@ -288,10 +306,11 @@ def _region(op: Any, regions: set[str]) -> str | None:
 
 # Profiling sessions on a CPU, the median one kept: a CPU profile sums each op's self time, the
 # time its process waited for a core included, so one session run while another job held the core
-# comes out slower than the timed median (DeBERTa-v3-base tiny at batch 8 x 64, measured in one
+# came out slower than the timed median (DeBERTa-v3-base tiny at batch 8 x 64, measured in one
 # process: 26.8 ms profiled against 25.1 ms timed alone, 42.1 ms against 27.4 ms beside two busy
-# processes). A GPU's kernel times are the device's own: one session.
-CPU_SESSIONS = 3
+# processes). A profile now runs alone (device_lock takes the cores), so one session is the machine's
+# own; two more cost the embedded default about 60 s of its wall time. A GPU: one session as well.
+CPU_SESSIONS = 1
 
 
 def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:

@@ -112,3 +112,34 @@ def test_detectable_is_the_larger_of_the_minimum_effect_and_the_half_width():
     assert steady.detectable() == pytest.approx(1.05)
     noisy = compare(median_of(STEADY), median_of(STEADY), 0.05, between_jobs=0.10)
     assert noisy.detectable() == pytest.approx(1.44, abs=0.02)  # exp(2.576 x 0.1 x sqrt 2) = 1.439
+
+
+class SleepingRunner:
+    """A runner whose call sleeps `ms`: the timing harness's contract (replay, synchronize) and nothing else."""
+
+    def __init__(self, ms: float):
+        self.ms, self.calls = ms, 0
+
+    def replay(self):
+        import time
+
+        time.sleep(self.ms / 1e3)
+        self.calls += 1
+
+    def synchronize(self):
+        pass
+
+
+def test_rounds_shorter_than_the_minimum_make_more_calls():
+    """A 1 ms call and a 2 ms one with rounds of at least 10 ms: every round makes the calls that fill 10 ms
+    for the faster (about 10, fewer if a sleep overshoots), the same count for both, and records it."""
+    from quantstudy.timing import time_interleaved
+
+    fast, slow = SleepingRunner(1.0), SleepingRunner(2.0)
+    result = time_interleaved({"fast": fast, "slow": slow}, warmup=1, rounds=3, calls=1, min_round_ms=10.0)
+    calls = result["fast"]["calls_per_round"]
+    assert 4 <= calls <= 10 and result["slow"]["calls_per_round"] == calls
+    assert all(ms * calls >= 4.0 for ms in result["fast"]["samples_ms"])  # each round several ms, not one call
+    assert fast.calls == 1 + 1 + calls + 3 * calls  # warm-up, the one call that calibrates, a round's worth, rounds
+    plain = time_interleaved({"fast": SleepingRunner(1.0)}, warmup=1, rounds=3, calls=1)
+    assert plain["fast"]["calls_per_round"] == 1

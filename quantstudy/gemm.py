@@ -173,13 +173,16 @@ def time_shapes(shapes: list[tuple[dict[str, Any], int, str]], target, timing: d
     results = []
     with tempfile.TemporaryDirectory(prefix="quantstudy-gemm-") as tmp:
         engines = {p: _engines(shapes, p, target, Path(tmp) / p, seed) for p in ("fp16", "fp8")}
-        for i, (call, copies, work) in enumerate(shapes):
-            runners = {p: engines[p][i] for p in engines}
-            with qt.device_lock(target.device):
+        measured = []
+        with qt.device_lock(target.device):  # one turn for every shape: other jobs do not start between them
+            for i, (call, _, _) in enumerate(shapes):
+                runners = {p: engines[p][i] for p in engines}
                 result = qt.time_interleaved(runners, timing["warmup"], timing["rounds"], timing["calls_per_round"],
                                              (lambda line: log(f"{shape_key(call)}: {line}")) if log else None,
                                              timing.get("min_round_ms", 0.0))
-                profiles = {p: _profile(backends.get(target.backend), r) for p, r in runners.items()}
+                measured.append((result, {p: _profile(backends.get(target.backend), r) for p, r in runners.items()}))
+        for i, ((call, copies, work), (result, profiles)) in enumerate(zip(shapes, measured)):
+            runners = {p: engines[p][i] for p in engines}
             # What the FP8 stack ran: its ops or kernels by name, with ms per call (top 8).
             ran = [{"name": n, "ms": ms} for n, ms in
                    sorted(profiles["fp8"]["groups_ms"].items(), key=lambda kv: -kv[1])[:8]]

@@ -568,16 +568,16 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
         runners = {doc["variant"]: open_engines(family, doc, recipe, checkpoint_json, st, tgt)
                    for doc in {d["variant"]: d for d in (variant_doc, base_doc)}.values()}
         graphs = {}
-        for g in runners[ident["variant"]]:
-            pair = {name: r[g] for name, r in runners.items()}
-            with qt.device_lock(tgt.device):
+        with qt.device_lock(tgt.device):  # one turn for every graph: other jobs do not start between them
+            for g in runners[ident["variant"]]:
+                pair = {name: r[g] for name, r in runners.items()}
                 result = qt.time_interleaved(pair, timing["warmup"], timing["rounds"], timing["calls_per_round"],
                                              lambda line: log.info("%s %s", g, line), timing.get("min_round_ms", 0.0))
                 # Proof of FP8: the kernels the variant's FP8 GEMM ops launch (a short profile, after timing).
                 fp8 = qt.fp8_proof(pair[ident["variant"]])
-            log.info("%s FP8 GEMMs: %s", g, fp8)
-            v, b = result[ident["variant"]], result[baseline]
-            graphs[g] = {"variant_ms": v, "baseline_ms": b, **qt.speedup(b["samples_ms"], v["samples_ms"]), "fp8": fp8}
+                log.info("%s FP8 GEMMs: %s", g, fp8)
+                v, b = result[ident["variant"]], result[baseline]
+                graphs[g] = {"variant_ms": v, "baseline_ms": b, **qt.speedup(b["samples_ms"], v["samples_ms"]), "fp8": fp8}
         return {"repeat": repeat, "baseline": baseline, "batch": st.batch, "shape": dict(st.shape), "graphs": graphs,
                 **_engine_digests(variant_doc), "open_seconds": {v: _opened(r) for v, r in runners.items()},
                 "open_redone": {v: _redone(r) for v, r in runners.items()},
@@ -602,10 +602,8 @@ def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting:
         runners = open_engines(family, build_doc, recipe, checkpoint_json, st, tgt)
         regions = set(fam.regions) | {quantization.FP8_REGION}
         classify = functools.partial(fam.kernel_group, setting=st)
-        graphs = {}
-        for g, runner in runners.items():
-            with qt.device_lock(tgt.device):
-                graphs[g] = backends.get(tgt.backend).profile(runner, calls, classify, regions)
+        with qt.device_lock(tgt.device):  # one turn for every graph
+            graphs = {g: backends.get(tgt.backend).profile(runner, calls, classify, regions) for g, runner in runners.items()}
         return {"groups": fam.kernel_groups, "graphs": graphs, **_engine_digests(build_doc),
                 "open_seconds": _opened(runners), "open_redone": _redone(runners)}
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from quantstudy import backends, quantization
+from quantstudy.artifacts import now
 from quantstudy import timing as qt
 
 # An FP8 GEMM among the ops or kernels a profiled FP8 stack ran (torch._scaled_mm; e4m3 kernels
@@ -165,22 +166,26 @@ def _gemm_ms(profile: dict[str, Any], copies: int, stack: str) -> float:
 
 
 def time_shapes(shapes: list[tuple[dict[str, Any], int, str]], target, timing: dict[str, int],
-                seed: int = 0, log=None) -> list[dict[str, Any]]:
+                seed: int = 0, log=None, spans: list | None = None) -> list[dict[str, Any]]:
     """fp16 against FP8 at each GEMM shape ((call, copies, work precision): `copies` GEMMs a call),
     timed side by side on the target's backend (per-call summaries) and profiled: per-GEMM time of
     each stack's GEMM calls, their ratio g, and what ran the FP8 GEMM (`fp8_gemm`: the op or kernel;
     None where the backend emulates FP8)."""
     results = []
     with tempfile.TemporaryDirectory(prefix="quantstudy-gemm-") as tmp:
-        engines = {p: _engines(shapes, p, target, Path(tmp) / p, seed) for p in ("fp16", "fp8")}
+        with qt.device_lock(target.device, shared=True):  # building is CPU work: not while another job measures
+            engines = {p: _engines(shapes, p, target, Path(tmp) / p, seed) for p in ("fp16", "fp8")}
         measured = []
         with qt.device_lock(target.device):  # one turn for every shape: other jobs do not start between them
+            started = now()
             for i, (call, _, _) in enumerate(shapes):
                 runners = {p: engines[p][i] for p in engines}
+                # rounds of one call: a stack of `copies` GEMMs is a call long enough (min_round_ms is the engines')
                 result = qt.time_interleaved(runners, timing["warmup"], timing["rounds"], timing["calls_per_round"],
-                                             (lambda line: log(f"{shape_key(call)}: {line}")) if log else None,
-                                             timing.get("min_round_ms", 0.0))
+                                             (lambda line: log(f"{shape_key(call)}: {line}")) if log else None)
                 measured.append((result, {p: _profile(backends.get(target.backend), r) for p, r in runners.items()}))
+            if spans is not None:  # when the stacks were measured (a gemm.json's `measuring`)
+                spans.append({"started": started, "finished": now()})
         for i, ((call, copies, work), (result, profiles)) in enumerate(zip(shapes, measured)):
             runners = {p: engines[p][i] for p in engines}
             # What the FP8 stack ran: its ops or kernels by name, with ms per call (top 8).
@@ -201,9 +206,10 @@ def time_shapes(shapes: list[tuple[dict[str, Any], int, str]], target, timing: d
 
 
 def time_calls(calls_by_variant: dict[str, list[dict[str, Any]]], work: dict[str, str], target,
-               timing: dict[str, int], log=None) -> dict[str, dict[str, Any]]:
+               timing: dict[str, int], log=None, spans: list | None = None) -> dict[str, dict[str, Any]]:
     """{shape key: time_shapes(...)} over the distinct shapes of several variants' calls; a shape's
-    copies are the most calls any one variant makes at it. `work`: each variant's precision."""
+    copies are the most calls any one variant makes at it. `work`: each variant's precision; `spans`:
+    where to record when the stacks were measured."""
     shapes: dict[str, tuple[dict[str, Any], int, str]] = {}
     for variant, calls in calls_by_variant.items():
         counts: dict[str, int] = {}
@@ -214,4 +220,4 @@ def time_calls(calls_by_variant: dict[str, list[dict[str, Any]]], work: dict[str
             if key in shapes and shapes[key][2] != work[variant]:
                 raise ValueError(f"GEMM shape {key} runs in {shapes[key][2]} and {work[variant]} in two variants")
             shapes[key] = (first, max(n, shapes.get(key, (None, 0))[1]), work[variant])
-    return dict(zip(shapes, time_shapes(list(shapes.values()), target, timing, log=log))) if shapes else {}
+    return dict(zip(shapes, time_shapes(list(shapes.values()), target, timing, log=log, spans=spans))) if shapes else {}

@@ -86,6 +86,21 @@ def _gpu_work(device: str):
     return qt.device_lock(device, shared=True)
 
 
+@contextlib.contextmanager
+def _measuring(device: str):
+    """The device alone for a job's measurements (timing.device_lock), and when they ran: {"started",
+    "finished"}, filled in as the turn ends (a JSON's `measuring`: measurements never overlap)."""
+    from quantstudy import timing as qt
+
+    span: dict[str, str] = {}
+    with qt.device_lock(device):
+        span["started"] = now()
+        try:
+            yield span
+        finally:
+            span["finished"] = now()
+
+
 def _device() -> str:
     """Where the fp32 reference and the calibration run: the GPU if there is one (real-size models
     are too slow on a CPU), else the CPU. Recorded in their JSON."""
@@ -565,10 +580,11 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
         job_settings()
         st, tgt = _setting(setting), Target.from_params(target)
         # {variant: its runners}: the variant's engines, and its baseline's (the same ones for the baseline itself)
-        runners = {doc["variant"]: open_engines(family, doc, recipe, checkpoint_json, st, tgt)
-                   for doc in {d["variant"]: d for d in (variant_doc, base_doc)}.values()}
+        with _gpu_work(tgt.device):
+            runners = {doc["variant"]: open_engines(family, doc, recipe, checkpoint_json, st, tgt)
+                       for doc in {d["variant"]: d for d in (variant_doc, base_doc)}.values()}
         graphs = {}
-        with qt.device_lock(tgt.device):  # one turn for every graph: other jobs do not start between them
+        with _measuring(tgt.device) as measuring:  # one turn for every graph
             for g in runners[ident["variant"]]:
                 pair = {name: r[g] for name, r in runners.items()}
                 result = qt.time_interleaved(pair, timing["warmup"], timing["rounds"], timing["calls_per_round"],
@@ -578,10 +594,11 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
                 log.info("%s FP8 GEMMs: %s", g, fp8)
                 v, b = result[ident["variant"]], result[baseline]
                 graphs[g] = {"variant_ms": v, "baseline_ms": b, **qt.speedup(b["samples_ms"], v["samples_ms"]), "fp8": fp8}
+        with _gpu_work(tgt.device):
+            probe = _probe(family, variant_doc, checkpoint_json, st, runners[ident["variant"]])
         return {"repeat": repeat, "baseline": baseline, "batch": st.batch, "shape": dict(st.shape), "graphs": graphs,
                 **_engine_digests(variant_doc), "open_seconds": {v: _opened(r) for v, r in runners.items()},
-                "open_redone": {v: _redone(r) for v, r in runners.items()},
-                "probe": _probe(family, variant_doc, checkpoint_json, st, runners[ident["variant"]])}
+                "open_redone": {v: _redone(r) for v, r in runners.items()}, "probe": probe, "measuring": measuring}
 
     _record("timing", "time", out, ident, inputs, params, measure, {"baseline": baseline, "repeat": repeat})
 
@@ -590,7 +607,7 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
 def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,
             calls: int, checkpoint_json: str, build_json: str, out: str) -> None:
     """Kernel (GPU) or op (CPU) time per call of each graph, in the family's kernel groups."""
-    from quantstudy import backends, quantization, timing as qt
+    from quantstudy import backends, quantization
 
     inputs = {"checkpoint": checkpoint_json, "build": build_json}
     params = {"target": target, "calls": calls, "setting": setting}
@@ -599,13 +616,14 @@ def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting:
         job_settings()  # as in the build: inductor's CPU code depends on the thread count
         fam, st, tgt = _family(family), _setting(setting), Target.from_params(target)
         build_doc = read_json(build_json, "build")
-        runners = open_engines(family, build_doc, recipe, checkpoint_json, st, tgt)
+        with _gpu_work(tgt.device):
+            runners = open_engines(family, build_doc, recipe, checkpoint_json, st, tgt)
         regions = set(fam.regions) | {quantization.FP8_REGION}
         classify = functools.partial(fam.kernel_group, setting=st)
-        with qt.device_lock(tgt.device):  # one turn for every graph
+        with _measuring(tgt.device) as measuring:  # one turn for every graph
             graphs = {g: backends.get(tgt.backend).profile(runner, calls, classify, regions) for g, runner in runners.items()}
         return {"groups": fam.kernel_groups, "graphs": graphs, **_engine_digests(build_doc),
-                "open_seconds": _opened(runners), "open_redone": _redone(runners)}
+                "open_seconds": _opened(runners), "open_redone": _redone(runners), "measuring": measuring}
 
     _record("kernels", "profile", out, ident, inputs, params, measure)
 
@@ -627,7 +645,7 @@ def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
         job_settings()
         amax_doc = read_json(amax_json, "amax")
         fam, st, ckpt, tgt = _family(family), _setting(setting), _snapshot(checkpoint_json), Target.from_params(target)
-        graphs = {}
+        graphs, measuring = {}, []
         for g in fam.graphs(st, architecture):
             calls, variants = {}, {}
             for variant, spec in specs.items():
@@ -642,7 +660,7 @@ def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
                         k: v.to(tgt.device) for k, v in example_inputs(family, ckpt, g, st, spec["precision"]).items()})
                 log.info("%s %s: %d FP8 GEMM calls", g, variant, len(calls[variant]))
             shapes = qg.time_calls(calls, {v: s["precision"] for v, s in specs.items()}, tgt, timing,
-                                   lambda line: log.info("%s %s", g, line))
+                                   lambda line: log.info("%s %s", g, line), spans=measuring)
             for variant, cs in calls.items():
                 listed = [{"layer": c["layer"], "dims": c["dims"], "shape": qg.shape_key(c)} for c in cs]
                 if not listed:  # no FP8 layer runs in this graph: nothing for FP8 to change
@@ -654,7 +672,7 @@ def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
                 log.info("%s %s: g = %.3f", g, variant, variants[variant]["g"])
             graphs[g] = {"shapes": shapes, "variants": variants}
         return {"backend": tgt.backend, "batch": st.batch, "shape": dict(st.shape), "graphs": graphs,
-                "definition": qg.DEFINITION}
+                "definition": qg.DEFINITION, "measuring": measuring}
 
     _record("gemm", "gemm", out, ident, inputs, params, measure)
 

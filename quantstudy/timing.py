@@ -39,11 +39,12 @@ def time_interleaved(runners: dict[str, Any], warmup: int, rounds: int, calls: i
         runners[name].synchronize()
     if min_round_ms > 0:
         fastest = min(_one_call_ms(runners[n]) for n in names)
-        calls = max(calls, math.ceil(min_round_ms / max(fastest, 1e-6)))
-        for name in names:  # warm up as long again as a round lasts
-            for _ in range(calls):
-                runners[name].replay()
-            runners[name].synchronize()
+        if fastest < min_round_ms:
+            calls = max(calls, math.ceil(min_round_ms / max(fastest, 1e-6)))
+            for name in names:  # warm up as long again as a round lasts (a long call needs no more)
+                for _ in range(calls):
+                    runners[name].replay()
+                runners[name].synchronize()
     samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:

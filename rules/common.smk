@@ -175,6 +175,13 @@ def repeat_index(w):
     return int(w.repeat.removeprefix("-r")) if w.repeat else 1
 
 
+def measurement_slot(w):
+    """A GPU measurement job holds the `speed_measurement` slot for its whole run. A CPU one does not: its
+    measuring takes the machine's cores alone (timing.device_lock, which every other job's CPU work and its
+    own opening wait for), so only the measuring is serialized, not its opening and writing."""
+    return int(RUN.targets[w.target].device != "cpu")
+
+
 def build_measures_speed(w):
     """A TensorRT build times candidate kernels (tactics) on the GPU to choose them, so it holds the
     `speed_measurement` slot like a timing; the other backends' builds measure nothing."""

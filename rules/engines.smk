@@ -71,7 +71,7 @@ rule time:
     conda:
         target_env
     resources:
-        speed_measurement=1,
+        speed_measurement=measurement_slot,
     params:
         ident=variant_ident,
         family=lambda w: study(w).family,
@@ -98,7 +98,7 @@ rule profile:
     conda:
         target_env
     resources:
-        speed_measurement=1,
+        speed_measurement=measurement_slot,
     params:
         ident=variant_ident,
         family=lambda w: study(w).family,
@@ -123,7 +123,7 @@ rule gemm:
     conda:
         target_env
     resources:
-        speed_measurement=1,
+        speed_measurement=measurement_slot,
     params:
         ident=lambda w: {"target": w.target, "model": w.model, "setting": w.setting},
         family=lambda w: study(w).family,

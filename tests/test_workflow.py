@@ -717,19 +717,38 @@ def _job_intervals(repo: Path) -> list[tuple[str, str, object, object]]:
     return jobs
 
 
-def test_measurement_jobs_never_overlap_while_other_jobs_run_in_parallel(workflow_copy):
-    """`speed_measurement`: time, profile and gemm jobs hold the one slot the Snakefile declares, with no
-    --resources on the command line, so no two of them ran at once; other jobs did (--cores 2)."""
+def _measuring_intervals(repo: Path) -> list[tuple[str, object, object]]:
+    """(artifact, started, finished) of every measurement (`measuring` in a timing, kernels or gemm JSON)."""
+    from datetime import datetime
+
+    spans = []
+    for path in sorted((repo / "results/fnet").rglob("*.json")):
+        doc = json.loads(path.read_text())
+        measuring = doc.get("measuring") if isinstance(doc, dict) else None
+        for m in measuring if isinstance(measuring, list) else [measuring] if measuring else []:
+            spans.append((str(path.relative_to(repo)), datetime.fromisoformat(m["started"]),
+                          datetime.fromisoformat(m["finished"])))
+    return sorted(spans, key=lambda s: s[1])
+
+
+def test_measurements_never_overlap_while_other_jobs_run_in_parallel(workflow_copy):
+    """A CPU measurement takes the cores alone (timing.device_lock): no two measurements ran at once, and
+    no other job ran while one measured (each holds the cores shared for its whole run); jobs did run
+    side by side (--cores 2), measurement jobs among them while neither measured."""
     import itertools
 
-    jobs = _job_intervals(workflow_copy)
-    measuring = sorted((j for j in jobs if j[0] in ("time", "profile", "gemm")), key=lambda j: j[2])
+    spans = _measuring_intervals(workflow_copy)
     # 7 variant x target pairs (.test/fnet.yaml), each timed and profiled; the GEMMs of both targets
-    assert len(measuring) == 16
-    for a, b in zip(measuring, measuring[1:]):
-        assert a[3] <= b[2], f"{a[1]} ({a[2]} to {a[3]}) overlaps {b[1]} ({b[2]} to {b[3]})"
+    assert len({path for path, _, _ in spans}) == 16
+    for a, b in zip(spans, spans[1:]):
+        assert a[2] <= b[1], f"{a[0]} ({a[1]} to {a[2]}) overlaps {b[0]} ({b[1]} to {b[2]})"
+    others = [j for j in _job_intervals(workflow_copy) if j[0] not in ("time", "profile", "gemm")]
+    for path, start, end in spans:
+        beside = [j[1] for j in others if j[2] < end and start < j[3]]
+        assert not beside, f"{path} measured from {start} to {end} while {beside} ran"
+    jobs = _job_intervals(workflow_copy)
     overlapping = [(a[1], b[1]) for a, b in itertools.combinations(jobs, 2) if a[2] < b[3] and b[2] < a[3]]
-    assert overlapping, "no two jobs ran at once: the run shows nothing about the slot"
+    assert overlapping, "no two jobs ran at once: the run shows nothing about the turns"
 
 
 def test_repeats_time_each_variant_in_separate_jobs_and_render_their_spread(workflow_copy, tmp_path):
@@ -754,9 +773,9 @@ def test_repeats_time_each_variant_in_separate_jobs_and_render_their_spread(work
 
     tables = json.loads((repo / "results/fnet/tables.json").read_text())
     assert tables["spec"]["timing"]["repeats"] == 2
-    measuring = sorted((j for j in _job_intervals(repo) if j[0] == "time"), key=lambda j: j[2])
+    measuring = [s for s in _measuring_intervals(repo) if s[0].endswith(("/timing.json", "/timing-r2.json"))]
     assert len(measuring) == 14
-    assert all(a[3] <= b[2] for a, b in zip(measuring, measuring[1:]))
+    assert all(a[2] <= b[1] for a, b in zip(measuring, measuring[1:]))
     ok_rows = [r for r in tables["speed"] if r["status"] == "ok"]
     assert len(ok_rows) == 6 and [r["source"] for r in tables["speed"] if r["status"] != "ok"] == [
         f"results/fnet/cpu-torch/fnet-base/w512/fp8-broken/{name}" for name in ("timing.json", "timing-r2.json")]

@@ -112,13 +112,13 @@ class Change:
         return "higher" if self.estimate > (1.0 if self.kind == "ratio" else 0.0) else "lower"
 
     def detectable(self) -> float:
-        """The smallest change of this kind this comparison would count (a factor for ratios, a share
-        of |a| for differences): beyond the minimum effect and beyond the interval's half-width."""
+        """The smallest change of this kind this comparison counts whatever the noise did (a factor for
+        ratios, a share of |a| for differences): beyond the minimum effect and the interval's whole width.
+        A change of its half-width is caught only when the noise happens to push the same way."""
         if self.kind == "ratio":
-            half = max(math.log(self.estimate / self.low), math.log(self.high / self.estimate)) if self.low > 0 else math.inf
-            return max(1 + self.min_effect, math.exp(half))
-        half = max(self.estimate - self.low, self.high - self.estimate)
-        return max(self.min_effect, half / abs(self.a)) if self.a else math.inf
+            width = math.log(self.high / self.low) if self.low > 0 else math.inf
+            return max(1 + self.min_effect, math.exp(width))
+        return max(self.min_effect, (self.high - self.low) / abs(self.a)) if self.a else math.inf
 
     def as_dict(self) -> dict[str, Any]:
         return {"a": self.a, "b": self.b, "kind": self.kind, "estimate": self.estimate, "low": self.low,

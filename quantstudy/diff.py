@@ -148,7 +148,8 @@ def _fmt(v: float) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     """The diff as a page: per study, the rows whose change counts first, then the others."""
-    lines = [f"# {result['a']} against {result['b']}", "",
+    names = result.get("names") or {"a": result["a"], "b": result["b"]}
+    lines = [f"# {names['a']} against {names['b']}", "",
              f"A is `{result['a']}`, B is `{result['b']}`. A change counts when it is significant (its "
              f"{compare.LEVEL:.0%} interval leaves out no change) and beyond the minimum effect "
              "(quantstudy/compare.py). Speed: B / A, from each timing job's rounds resampled, widened by the spread "
@@ -188,10 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_b", help="another run's results folder (B)")
     parser.add_argument("--out", help="write the page here (.md; a .html beside it)")
     parser.add_argument("--json", help="write the comparison as JSON here")
+    parser.add_argument("--names", nargs=2, metavar=("A", "B"), help="what to call the two runs on the page")
     parser.add_argument("--fail-on", action="append", default=[], metavar="COLUMN",
                         help="exit 1 when this column regresses in a shared row (x, or a decision condition's column)")
     args = parser.parse_args(argv)
     result = diff(Run.load(args.run_a), Run.load(args.run_b))
+    if args.names:
+        result["names"] = dict(zip("ab", args.names))
     page = markdown(result)
     if args.out:
         from quantstudy.artifacts import atomic_write

@@ -580,7 +580,8 @@ SPEED_COLUMNS = frozenset({
     "target", "model", "setting", "variant", "graph", "status", "error", "source", "gpu", "backend", "batch",
     "baseline", "variant_ms", "variant_spread", "baseline_ms", "x", "x_min", "x_max", "repeat", "repeats", "x_by_repeat",
     "x_jobs_min", "x_jobs_max", "x_jobs_spread", "timing_sources", "bound", "bound_note", "at_limit", "x_of_bound",
-    "f", "f_basis", "f_kind", "f_source", "g", "g_source", "fp8_emulated"})
+    "f", "f_basis", "f_kind", "f_source", "g", "g_source", "fp8_emulated",
+    "x_rounds_low", "x_rounds_high", "x_low", "x_high"})
 # The quality table's columns that are not the family's (aggregate._quality, across_evaluations).
 QUALITY_ROW_COLUMNS = frozenset({
     "target", "model", "setting", "variant", "status", "error", "source", "gpu", "backend", "batch", "evaluations",

@@ -152,7 +152,9 @@ class Browser:
                 os.close(fd)
             except OSError:
                 pass
-        self._profile.cleanup()
+        import shutil
+
+        shutil.rmtree(self._profile.name, ignore_errors=True)  # Chromium may still write it as it exits
 
     def _message(self) -> dict:
         import json

@@ -427,7 +427,7 @@ MEDIA = {".png": "image/png", ".svg": "image/svg+xml", ".jpg": "image/jpeg"}
 
 
 def anchor_id(path: str) -> str:
-    """A fragment id for a file the page carries, from its path: `file-cpu-torch-fnet-base-w512-fp8-timing-json`."""
+    """A fragment id for a file the page carries, from its path: `file-cpu-torch-<model>-w512-fp8-timing-json`."""
     parts = [p for p in Path(os.path.normpath(path)).parts if p not in ("..", ".")]
     return "file-" + re.sub(r"[^a-z0-9]+", "-", "/".join(parts).lower()).strip("-")
 

@@ -66,7 +66,7 @@ def compare_timing(recorded: dict[str, Any], reproduced: dict[str, Any], min_eff
         r, p = recorded.get("graphs", {}).get(g), reproduced.get("graphs", {}).get(g)
         if r is None or p is None or r.get("x") is None or p.get("x") is None:
             diffs.append({"key": f"graphs.{g}.x", "recorded": r and r.get("x"), "reproduced": p and p.get("x"),
-                          "change": None})
+                          "tolerance": None, "change": None})
             continue
         x = compare.speedup_of(p["baseline_ms"]["samples_ms"], p["variant_ms"]["samples_ms"])
         changes = {"x": compare.compare(x.at(r["x"]), x, min_effect["x"], noise["x"])}
@@ -76,10 +76,10 @@ def compare_timing(recorded: dict[str, Any], reproduced: dict[str, Any], min_eff
         for key, change in changes.items():
             if change.counts:
                 diffs.append({"key": f"graphs.{g}.{key}", "recorded": change.a, "reproduced": change.b,
-                              "change": change.as_dict()})
+                              "tolerance": None, "change": change.as_dict()})
     if recorded.get("engine_sha256") != reproduced.get("engine_sha256"):
         diffs.append({"key": "engine_sha256", "recorded": recorded.get("engine_sha256"),
-                      "reproduced": reproduced.get("engine_sha256"), "change": None})
+                      "reproduced": reproduced.get("engine_sha256"), "tolerance": None, "change": None})
     return diffs
 
 

@@ -123,6 +123,7 @@ def deterministic(path, repo):
     if path.suffix in (".md", ".html", ".rst"):  # .rst: the report's front page, the decisions
         # The page inlines the plot and every file it links: each is compared here on its own.
         text = re.sub(r"data:[a-z/]+;base64,[A-Za-z0-9+/=]+", "<a file>", text)
+        text = re.sub(r'<pre id="file-[^"]*">.*?</pre>', "<a file>", text, flags=re.S)
         text = re.sub(r"\b[0-9a-f]{64}\b", "<sha256>", text)  # a sample list's: it covers its provenance
         text = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", text)
         text = re.sub(r"#([x%]?) to #\1", r"#\1", text)  # a range of measured values may be one value
@@ -152,7 +153,7 @@ def deterministic(path, repo):
         if isinstance(x, dict):  # a file's sha256 (an amax file, a sample list) covers its provenance
             return {k: "<bound>" if measured and k in verdicts else
                     strip(v, measured or k in masked_keys, lengths) if not k.endswith("sha256") else "sha256"
-                    for k, v in x.items() if k not in ("provenance", "content_sha256")}
+                    for k, v in x.items() if k not in ("provenance", "content_sha256", "measuring")}
         if isinstance(x, list):
             return len(x) if lengths else [strip(v, measured, lengths) for v in x]
         if measured and isinstance(x, (int, float)):  # a bool too: at_limit, pass

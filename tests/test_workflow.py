@@ -738,8 +738,9 @@ def test_measurements_never_overlap_while_other_jobs_run_in_parallel(workflow_co
     import itertools
 
     spans = _measuring_intervals(workflow_copy)
-    # 7 variant x target pairs (.test/fnet.yaml), each timed and profiled; the GEMMs of both targets
-    assert len({path for path, _, _ in spans}) == 16
+    # 7 variant x target pairs (.test/fnet.yaml), each timed and profiled (fp8-broken's build fails: it is not
+    # measured); the GEMMs of both targets
+    assert len({path for path, _, _ in spans}) == 14
     for a, b in zip(spans, spans[1:]):
         assert a[2] <= b[1], f"{a[0]} ({a[1]} to {a[2]}) overlaps {b[0]} ({b[1]} to {b[2]})"
     others = [j for j in _job_intervals(workflow_copy) if j[0] not in ("time", "profile", "gemm")]
@@ -774,7 +775,7 @@ def test_repeats_time_each_variant_in_separate_jobs_and_render_their_spread(work
     tables = json.loads((repo / "results/fnet/tables.json").read_text())
     assert tables["spec"]["timing"]["repeats"] == 2
     measuring = [s for s in _measuring_intervals(repo) if s[0].endswith(("/timing.json", "/timing-r2.json"))]
-    assert len(measuring) == 14
+    assert len(measuring) == 12  # 7 variants, 2 jobs each; fp8-broken's build failed, so it measured nothing
     assert all(a[2] <= b[1] for a, b in zip(measuring, measuring[1:]))
     ok_rows = [r for r in tables["speed"] if r["status"] == "ok"]
     assert len(ok_rows) == 6 and [r["source"] for r in tables["speed"] if r["status"] != "ok"] == [
@@ -954,7 +955,8 @@ def test_each_readme_opens_with_one_verdict_line_per_condition_and_stays_short(w
         text = readme.read_text()
         decision = json.loads((readme.parent / "tables.json").read_text())["decision"]
         verdict = [line for line in text[:text.index("![")].splitlines() if line.startswith("- **")]
-        assert [line.startswith("- **met: ") for line in verdict] == [c["pass"] for c in decision["conditions"]], readme
+        words = {"met": "met", "not met": "not met", "within the noise": "within the noise of this run"}
+        assert [line.split(":")[0] for line in verdict] == [f"- **{words[c['resolved']]}" for c in decision["conditions"]], readme
         assert lines_outside_folds(text) <= 130, (readme, lines_outside_folds(text))
 
 

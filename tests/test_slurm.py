@@ -109,6 +109,10 @@ def rule_of(comment):
     return re.fullmatch(r"rule_(.+?)(_wildcards_.*)?", comment)[1]
 
 
+# A decision condition's resolution against its measured interval (aggregate._uncertainty): measured.
+RESOLVED = {"resolved", "within_noise", "to_resolve", "interval_kind"}
+
+
 def deterministic(path, repo):
     """A result file's content less what legitimately differs between two runs: provenance (and
     the content digest, which covers it),
@@ -139,19 +143,26 @@ def deterministic(path, repo):
         text = re.sub(r", (\*\*disagrees\*\*|<strong>disagrees</strong>)", "", text)
         # f's basis is listed for the targets whose bound was computed, which the same verdict decides.
         text = re.sub(r"f was found\s.*?\.(?=\n|</p>)", "f was found <bases>.", text, flags=re.S)
+        text = re.sub(r"no row has one: its cell says why\.", "f was found <bases>.", text)
+        # whether a condition is met, not met or within the noise rests on measured intervals
+        text = re.sub(r"(\*\*|<strong>)(met|not met|within the noise of this run): ", r"\1<resolved>: ", text)
+        text = re.sub(r"The verdict rests on .*? within the noise of this run \(.*?\): there the measured value decides, "
+                      r"not a difference this run can tell from noise\.\s*", "", text, flags=re.S)
+        text = re.sub(r" Its measured value (meets|misses) the bar, inside the noise: this run cannot resolve it; "
+                      r"about .*? would\.", "", text, flags=re.S)
         return re.sub(r"(<p>)?((\*\*|<strong>)# of the # profiles disagree|Every one of the # profiles agrees).*?"
                       r"(\n\n|</p>\n?)", "", text, flags=re.S)
     if path.suffix != ".json":
         return text
 
-    masked_keys = {"speed", "kernels", "decision", "bound"} if path.name == "tables.json" else set()
+    masked_keys = {"speed", "kernels", "decision", "bound", "timing_noise"} if path.name == "tables.json" else set()
     # A speed row's bound is computed or withheld by whether its baseline's profile agrees with its timing;
     # so are the bases of f listed per target (bound.f_bases).
     verdicts = {*aggregate.BOUND_COLUMNS, "f_bases"} if path.name == "tables.json" else set()
 
     def strip(x, measured=False, lengths=False):
         if isinstance(x, dict):  # a file's sha256 (an amax file, a sample list) covers its provenance
-            return {k: "<bound>" if measured and k in verdicts else
+            return {k: "<bound>" if measured and k in verdicts else "<resolved>" if measured and k in RESOLVED else
                     strip(v, measured or k in masked_keys, lengths) if not k.endswith("sha256") else "sha256"
                     for k, v in x.items() if k not in ("provenance", "content_sha256", "measuring")}
         if isinstance(x, list):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quantstudy import compare
+from quantstudy import compare, config
 from quantstudy.timing import timing_noise
 
 KEY = ("target", "model", "setting", "variant")
@@ -87,7 +87,7 @@ def diff(a: Run, b: Run) -> dict[str, Any]:
     studies = {}
     for study in sorted(set(a.tables) & set(b.tables)):
         ta, tb = a.tables[study], b.tables[study]
-        min_effect = {**{"x": 0.05, "ms": 0.10}, **ta["spec"]["timing"].get("min_effect", {})}
+        min_effect = {**config.MIN_EFFECT, **ta["spec"]["timing"].get("min_effect", {})}
         na, nb = _timing_noise(a, study), _timing_noise(b, study)
         # one job's spread between jobs, either run's: the root mean square of the two runs' own
         noise = {k: math.sqrt((na[k] ** 2 + nb[k] ** 2) / 2) for k in ("x", "ms")}

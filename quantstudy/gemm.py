@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from quantstudy import backends, quantization
-from quantstudy.artifacts import now
 from quantstudy import timing as qt
 
 # An FP8 GEMM among the ops or kernels a profiled FP8 stack ran (torch._scaled_mm; e4m3 kernels
@@ -176,16 +175,15 @@ def time_shapes(shapes: list[tuple[dict[str, Any], int, str]], target, timing: d
         with qt.device_lock(target.device, shared=True):  # building is CPU work: not while another job measures
             engines = {p: _engines(shapes, p, target, Path(tmp) / p, seed) for p in ("fp16", "fp8")}
         measured = []
-        with qt.device_lock(target.device):  # one turn for every shape: other jobs do not start between them
-            started = now()
+        with qt.measuring(target.device) as span:  # one turn for every shape: other jobs do not start between them
             for i, (call, _, _) in enumerate(shapes):
                 runners = {p: engines[p][i] for p in engines}
                 # rounds of one call: a stack of `copies` GEMMs is a call long enough (min_round_ms is the engines')
                 result = qt.time_interleaved(runners, timing["warmup"], timing["rounds"], timing["calls_per_round"],
                                              (lambda line: log(f"{shape_key(call)}: {line}")) if log else None)
                 measured.append((result, {p: _profile(backends.get(target.backend), r) for p, r in runners.items()}))
-            if spans is not None:  # when the stacks were measured (a gemm.json's `measuring`)
-                spans.append({"started": started, "finished": now()})
+        if spans is not None:  # when the stacks were measured (a gemm.json's `measuring`)
+            spans.append(span)
         for i, ((call, copies, work), (result, profiles)) in enumerate(zip(shapes, measured)):
             runners = {p: engines[p][i] for p in engines}
             # What the FP8 stack ran: its ops or kernels by name, with ms per call (top 8).

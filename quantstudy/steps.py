@@ -86,21 +86,6 @@ def _gpu_work(device: str):
     return qt.device_lock(device, shared=True)
 
 
-@contextlib.contextmanager
-def _measuring(device: str):
-    """The device alone for a job's measurements (timing.device_lock), and when they ran: {"started",
-    "finished"}, filled in as the turn ends (a JSON's `measuring`: measurements never overlap)."""
-    from quantstudy import timing as qt
-
-    span: dict[str, str] = {}
-    with qt.device_lock(device):
-        span["started"] = now()
-        try:
-            yield span
-        finally:
-            span["finished"] = now()
-
-
 def _device() -> str:
     """Where the fp32 reference and the calibration run: the GPU if there is one (real-size models
     are too slow on a CPU), else the CPU. Recorded in their JSON."""
@@ -584,7 +569,7 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
             runners = {doc["variant"]: open_engines(family, doc, recipe, checkpoint_json, st, tgt)
                        for doc in {d["variant"]: d for d in (variant_doc, base_doc)}.values()}
         graphs = {}
-        with _measuring(tgt.device) as measuring:  # one turn for every graph
+        with qt.measuring(tgt.device) as measuring:  # one turn for every graph
             for g in runners[ident["variant"]]:
                 pair = {name: r[g] for name, r in runners.items()}
                 result = qt.time_interleaved(pair, timing["warmup"], timing["rounds"], timing["calls_per_round"],
@@ -607,7 +592,7 @@ def time(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
 def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any], recipe: dict,
             calls: int, checkpoint_json: str, build_json: str, out: str) -> None:
     """Kernel (GPU) or op (CPU) time per call of each graph, in the family's kernel groups."""
-    from quantstudy import backends, quantization
+    from quantstudy import backends, quantization, timing as qt
 
     inputs = {"checkpoint": checkpoint_json, "build": build_json}
     params = {"target": target, "calls": calls, "setting": setting}
@@ -620,7 +605,7 @@ def profile(ident: dict[str, Any], family: str, target: dict[str, Any], setting:
             runners = open_engines(family, build_doc, recipe, checkpoint_json, st, tgt)
         regions = set(fam.regions) | {quantization.FP8_REGION}
         classify = functools.partial(fam.kernel_group, setting=st)
-        with _measuring(tgt.device) as measuring:  # one turn for every graph
+        with qt.measuring(tgt.device) as measuring:  # one turn for every graph
             graphs = {g: backends.get(tgt.backend).profile(runner, calls, classify, regions) for g, runner in runners.items()}
         return {"groups": fam.kernel_groups, "graphs": graphs, **_engine_digests(build_doc),
                 "open_seconds": _opened(runners), "open_redone": _redone(runners), "measuring": measuring}

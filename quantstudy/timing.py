@@ -188,6 +188,21 @@ def device_lock(device: Any, shared: bool = False):
         yield
 
 
+@contextlib.contextmanager
+def measuring(device: Any):
+    """The device alone for a job's measurements (device_lock), and when they ran: {"started", "finished"},
+    filled in as the turn ends (a JSON's `measuring`: measurements never overlap)."""
+    from quantstudy.artifacts import now
+
+    span: dict[str, str] = {}
+    with device_lock(device):
+        span["started"] = now()
+        try:
+            yield span
+        finally:
+            span["finished"] = now()
+
+
 # The machine's cores: one lock file per host (its temporary directory).
 CPU_LOCK = Path(tempfile.gettempdir()) / "quantstudy-cpu.lock"
 

@@ -174,7 +174,14 @@ def _quality(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
     sets = {k: v for k, v in nf.items() if isinstance(v, dict)}
     yield {"evaluation_repeat": doc.get("repeat", 1), **flatten(doc["blocks"]), "nonfinite": nf["total_bad"],
            **{f"nonfinite.{k}": v["bad"] for k, v in sets.items()}, **{f"nonfinite.{k}.of": v["of"] for k, v in sets.items()},
-           "nonfinite_detail": sets}
+           "nonfinite_detail": sets, "intervals": intervals(doc["blocks"])}
+
+
+def intervals(blocks: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The intervals a quality job measured beside its metrics ({block: {"intervals": {metric: interval}}},
+    metrics.mean_interval), by column: {"block.metric": {low, high, n, unit, method, level}}."""
+    return {f"{block}.{metric}": interval for block, metrics in blocks.items()
+            for metric, interval in (metrics.get("intervals") or {}).items() if interval}
 
 
 def _number(v: Any) -> bool:
@@ -407,6 +414,9 @@ def _row_interval(spec: dict[str, Any], row: dict[str, Any]) -> tuple[tuple[floa
     if spec.get("n") and not _missing(row.get(spec["n"])) and row[spec["n"]] > 0:
         n = int(row[spec["n"]])
         return compare.wilson(round(row[spec["column"]] * n), n, compare.VERDICT_LEVEL), f"Wilson, n = {n}"
+    measured = row["intervals"].get(spec["column"]) if isinstance(row.get("intervals"), dict) else None
+    if measured:
+        return (measured["low"], measured["high"]), f"bootstrap over {measured['n']} {measured['unit']}"
     return None, None
 
 
@@ -414,7 +424,7 @@ def _uncertainty(spec: dict[str, Any], rows: list[dict[str, Any]], met: bool, un
                  noise: dict[str, Any] | None) -> dict[str, Any]:
     """Whether this run resolves the condition: every row's interval on the threshold's one side ("met" /
     "not met"), or one straddling it ("within the noise"; how many samples or timing jobs would resolve it).
-    Sums and means of counts are exact; a column with no interval (no per-sample values kept) is judged
+    Sums and means of counts are exact; a column with no interval (a maximum, a percentile) is judged
     on its values, and says so (`interval_kind` None)."""
     exact = {"resolved": "met" if met else "not met", "interval": None, "interval_kind": None, "to_resolve": None}
     if unmeasured or spec["reduce"] not in ("min", "max"):
@@ -432,9 +442,14 @@ def _uncertainty(spec: dict[str, Any], rows: list[dict[str, Any]], met: bool, un
             counts = [compare.jobs_to_resolve(r["x"], (r["x_rounds_low"], r["x_rounds_high"]), (noise or {}).get("x", 0.0),
                                               threshold) for r in straddling]
             unit, otherwise = "timing jobs a row", "more rounds a job first (its rounds alone straddle the threshold)"
-        else:
+        elif spec.get("n"):
             counts = [compare.samples_to_resolve(r[spec["column"]], int(r[spec["n"]]), threshold) for r in straddling]
             unit, otherwise = "samples a row", "no number of samples (a row sits on the threshold)"
+        else:
+            measured = [r["intervals"][spec["column"]] for r in straddling]
+            counts = [compare.units_to_resolve(r[spec["column"]], (m["low"], m["high"]), m["n"], threshold)
+                      for r, m in zip(straddling, measured)]
+            unit, otherwise = f"{measured[0]['unit']} a row", "no number of samples (a row sits on the threshold)"
         to_resolve = otherwise if None in counts else f"{max(counts)} {unit}"
     return {"resolved": resolved, "interval": {"min": min(i[0] for _, i, _ in judged), "max": max(i[1] for _, i, _ in judged)},
             "interval_kind": judged[0][2].split(",")[0] if judged else None, "to_resolve": to_resolve}
@@ -452,12 +467,33 @@ def relative(frame: pd.DataFrame, column: str, other: str, candidate: str) -> pd
     theirs = frame[frame.variant == other]
     theirs = theirs[theirs.status == "ok"] if "status" in theirs else theirs
     theirs = theirs[keys + [column]].rename(columns={column: "_other"}) if column in theirs else None
+    if theirs is not None and "intervals" in frame:
+        theirs["_other_intervals"] = frame.loc[theirs.index, "intervals"]
     mine = frame[frame.variant == candidate]
     if theirs is None or column not in mine:
         return mine.iloc[0:0]
     joined = mine.merge(theirs, on=keys, how="left")
-    joined[f"{column} / {other}"] = joined[column] / joined["_other"]
-    return joined.drop(columns="_other")
+    ratio = f"{column} / {other}"
+    joined[ratio] = joined[column] / joined["_other"]
+    if "_other_intervals" in joined:
+        known = lambda v: v if isinstance(v, dict) else {}  # a row with no intervals holds NaN there
+        joined["intervals"] = [{**known(m), ratio: _ratio_interval(r[column], r["_other"], known(m).get(column),
+                                                                   known(t).get(column))}
+                               for r, m, t in zip(_records(joined), joined["intervals"], joined["_other_intervals"])]
+    return joined.drop(columns=[c for c in ("_other", "_other_intervals") if c in joined])
+
+
+def _ratio_interval(a: float, b: float, of_a: dict[str, Any] | None, of_b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The interval of a / b from the intervals of a and of b, taken as independent (their half-widths add in
+    quadrature in log space): wider than a paired resample of two engines on the same samples would give,
+    so a ratio it calls resolved is. None where either has no interval or one is not positive."""
+    if of_a is None or of_b is None or _missing(a) or _missing(b) or min(a, b, of_a["low"], of_b["low"]) <= 0:
+        return None
+    r = a / b
+    low, high = compare.combined_interval(r, (r * of_a["low"] / a, r * of_a["high"] / a),
+                                          (r * b / of_b["high"], r * b / of_b["low"]), level=of_a["level"])
+    return {"low": low, "high": high, "n": min(of_a["n"], of_b["n"]), "unit": of_a["unit"],
+            "method": "bootstrap of each, combined", "level": of_a["level"]}
 
 
 def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame], baselines: dict[str, str],

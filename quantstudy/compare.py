@@ -18,7 +18,9 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
+
+import numpy as np
 
 LEVEL = 0.99  # of every interval: a 1% chance that an honest re-execution is called different
 RESAMPLES = 2000
@@ -220,6 +222,59 @@ def combined_interval(value: float, *intervals: tuple[float, float], between_job
     below = math.sqrt(sum(math.log(value / lo) ** 2 for lo, _ in intervals) + widen ** 2)
     above = math.sqrt(sum(math.log(hi / value) ** 2 for _, hi in intervals) + widen ** 2)
     return value * math.exp(-below), value * math.exp(above)
+
+
+def mean_interval(values: Sequence[float], clusters: Sequence[int] | None = None, level: float = VERDICT_LEVEL,
+                  resamples: int = RESAMPLES, seed: int = SEED) -> tuple[float, float]:
+    """A mean's seeded percentile bootstrap interval. With `clusters` (one id per value) whole clusters are
+    drawn: the tokens of one text vary together, so a text, not a token, is one independent draw, and
+    each replicate is its clusters' summed values over their summed counts. An exact mean where there
+    are fewer than two clusters."""
+    v = np.asarray(values, dtype=np.float64)
+    if clusters is None:
+        sums, counts = v, np.ones_like(v)
+    else:
+        _, which = np.unique(np.asarray(clusters), return_inverse=True)
+        sums, counts = np.bincount(which, weights=v), np.bincount(which).astype(np.float64)
+    k = len(sums)
+    mean = float(sums.sum() / counts.sum()) if k else math.nan
+    if k < 2:
+        return mean, mean
+    rng = np.random.default_rng(seed)
+    per_draw = max(1, 4_000_000 // k)  # replicates a draw of multinomial weights holds in memory
+    draws = []
+    for start in range(0, resamples, per_draw):
+        weights = rng.multinomial(k, np.full(k, 1.0 / k), size=min(per_draw, resamples - start)).astype(np.float64)
+        draws.append(weights @ sums / (weights @ counts))
+    return _percentiles(np.concatenate(draws).tolist(), level)
+
+
+def bootstrap_draws(statistics_of: Callable[[list[int]], dict[str, float]], units: int, resamples: int = 200,
+                    seed: int = SEED) -> list[dict[str, float]]:
+    """Seeded bootstrap replicates of statistics that are no mean (COCO AP over images): `statistics_of(picks)`
+    computes them all on the units at `picks` (indices drawn with replacement), so that statistics of one
+    draw stay paired (an engine's AP and the reference's on the same images). Fewer resamples by default:
+    each one computes the statistics whole. None where there are fewer than two units."""
+    if units < 2:
+        return []
+    rng = random.Random(seed)
+    return [statistics_of([rng.randrange(units) for _ in range(units)]) for _ in range(resamples)]
+
+
+def percentile_interval(draws: Sequence[float], level: float = VERDICT_LEVEL) -> tuple[float, float]:
+    """The percentile interval of bootstrap replicates."""
+    return _percentiles(draws, level)
+
+
+def units_to_resolve(value: float, interval: tuple[float, float], n: int, threshold: float) -> int | None:
+    """How many units (samples, images, texts) a bootstrap interval of `value` over `n` of them would need to
+    leave out the threshold, its half-width on the threshold's side shrinking as 1 / sqrt(n). None where
+    the value is the threshold."""
+    gap = abs(threshold - value)
+    half = value - interval[0] if threshold < value else interval[1] - value
+    if gap == 0:
+        return None
+    return max(n + 1, math.ceil(n * (half / gap) ** 2)) if half >= gap else n
 
 
 def against_threshold(value: float, interval: tuple[float, float] | None, op: str, threshold: float

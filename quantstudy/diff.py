@@ -5,8 +5,10 @@
 A run is a results folder (`results/`, or an evidence run's `.../results`) holding `<study>/tables.json`.
 Speed rows (x, each engine's median ms) are compared by compare.compare on their timing rounds, resampled,
 with the spread between jobs each run measured (timing.timing_noise) and the study's minimum effects.
-Quality values are compared exactly: the JSONs keep no per-sample values to resample, so a difference is
-one of these samples' answers, beyond a minimum effect (QUALITY_MIN_EFFECT), not a claim about other samples.
+Quality values are compared exactly, beyond a minimum effect (QUALITY_MIN_EFFECT): two runs of a study
+answer the same seeded samples, so a difference is in the engines' answers to them, not a sampling one.
+(The intervals quality.json keeps say how far a value could move on other samples: what a verdict's
+threshold needs, not what two runs on the same samples differ by.)
 Rows in one run only are listed. With --fail-on, the exit status is 1 when a named column regresses in
 a shared row (x and a decision condition's column know which way is worse), for CI gating.
 """
@@ -153,8 +155,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"A is `{result['a']}`, B is `{result['b']}`. A change counts when it is significant (its "
              f"{compare.LEVEL:.0%} interval leaves out no change) and beyond the minimum effect "
              "(quantstudy/compare.py). Speed: B / A, from each timing job's rounds resampled, widened by the spread "
-             "between jobs the runs measured. Quality: B - A, compared exactly (no per-sample values are kept "
-             "to resample; the change is these samples' answers).", ""]
+             "between jobs the runs measured. Quality: B - A, compared exactly (both runs answer the same seeded "
+             "samples: a change is in the engines' answers to them).", ""]
     for s in result["only_in"]["a"] + result["only_in"]["b"]:
         lines.append(f"- study `{s}` is in one run only")
     for study, d in result["studies"].items():

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from quantstudy import compare
+
 
 # The scalar keys of each metric's block, as the functions below return them: what families declare as
 # their quality table's columns (Family.quality_columns), the names a study's decision may use.
@@ -26,13 +28,31 @@ DETECTION_AGREEMENT = ("precision", "recall", "matched", "engine_detections", "r
                        "score_threshold", "iou_threshold")
 
 
+def mean_interval(values: torch.Tensor | list[float], clusters: torch.Tensor | list[int] | None = None,
+                  unit: str = "tokens", transform=None) -> dict[str, Any]:
+    """A metric's interval where it is a mean over units (compare.mean_interval, a bootstrap at the verdict's
+    level): over whole clusters where given (`unit` names what a cluster is: the texts a token came from),
+    else over single values; `transform` maps the mean's ends (exp for perplexity). A block keeps it
+    under "intervals", beside its scalars: {metric: {low, high, n, unit, method, level}}."""
+    values = torch.as_tensor(values, dtype=torch.float64).tolist()
+    ids = None if clusters is None else torch.as_tensor(clusters).tolist()
+    low, high = compare.mean_interval(values, ids)
+    if transform is not None:
+        low, high = transform(low), transform(high)
+    return {"low": low, "high": high, "n": len(values) if ids is None else len(set(ids)), "unit": unit,
+            "method": "bootstrap", "level": compare.VERDICT_LEVEL}
+
+
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
     """Mask of rows (first axis) whose values are all finite."""
     return torch.isfinite(x.flatten(1)).all(dim=1)
 
 
-def mlm_agreement(ref_logits: torch.Tensor, eng_logits: torch.Tensor) -> dict[str, Any]:
-    """KL(PyTorch || engine) per masked token (mean, p99) and top-1 agreement, over finite tokens."""
+def mlm_agreement(ref_logits: torch.Tensor, eng_logits: torch.Tensor, texts: torch.Tensor | None = None,
+                  unit: str = "texts") -> dict[str, Any]:
+    """KL(PyTorch || engine) per masked token (mean, p99) and top-1 agreement, over finite tokens; the
+    mean KL's interval over the `texts` the tokens came from (one id per token; `unit` says what a text
+    is), or over tokens."""
     ok = finite_rows(eng_logits)
     if not ok.any():
         return {"kl_mean": None, "kl_p99": None, "top1_agreement": None, "tokens": 0,
@@ -41,7 +61,9 @@ def mlm_agreement(ref_logits: torch.Tensor, eng_logits: torch.Tensor) -> dict[st
     kl = F.kl_div(F.log_softmax(eng, -1), F.log_softmax(ref, -1), log_target=True, reduction="none").sum(-1)
     return {"kl_mean": float(kl.mean()), "kl_p99": float(torch.quantile(kl, 0.99)),
             "top1_agreement": float((ref.argmax(-1) == eng.argmax(-1)).double().mean()),
-            "tokens": int(ok.sum()), "nonfinite_tokens": int((~ok).sum())}
+            "tokens": int(ok.sum()), "nonfinite_tokens": int((~ok).sum()),
+            "intervals": {"kl_mean": mean_interval(kl, None if texts is None else texts[ok],
+                                                   "tokens" if texts is None else unit)}}
 
 
 def cls_agreement(ref_cls: torch.Tensor, eng_cls: torch.Tensor) -> dict[str, Any]:
@@ -53,7 +75,9 @@ def cls_agreement(ref_cls: torch.Tensor, eng_cls: torch.Tensor) -> dict[str, Any
     cos = F.cosine_similarity(ref, eng, dim=-1)
     rel = (eng - ref).norm(dim=-1) / ref.norm(dim=-1)
     return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
-            "relative_error": float(rel.mean()), "rows": int(ok.sum())}
+            "relative_error": float(rel.mean()), "rows": int(ok.sum()),
+            "intervals": {"cosine_mean": mean_interval(cos, unit="rows"),
+                          "relative_error": mean_interval(rel, unit="rows")}}
 
 
 def relative_l2(ref: torch.Tensor, eng: torch.Tensor) -> torch.Tensor:
@@ -126,7 +150,8 @@ def token_relative_error(ref: torch.Tensor, eng: torch.Tensor, mask: torch.Tenso
         errors.append(float((e - r).norm() / r.norm()))
     if not errors:
         return {"mean": None, "max": None, "texts": 0, "nonfinite_texts": bad}
-    return {"mean": sum(errors) / len(errors), "max": max(errors), "texts": len(errors), "nonfinite_texts": bad}
+    return {"mean": sum(errors) / len(errors), "max": max(errors), "texts": len(errors), "nonfinite_texts": bad,
+            "intervals": {"mean": mean_interval(errors, unit="texts")}}
 
 
 def label_map(id2label: dict[Any, str], label_names: list[str]) -> list[int]:
@@ -166,8 +191,9 @@ def token_cosine(ref: torch.Tensor, eng: torch.Tensor, mask: torch.Tensor) -> di
     ok = torch.isfinite(e).all(-1)
     cos = torch.where(ok, F.cosine_similarity(r, torch.nan_to_num(e), dim=-1), torch.full((len(r),), -1.0,
                                                                                            dtype=torch.float64))
+    texts = torch.arange(real.shape[0])[:, None].expand_as(real)[real]  # the text each real token is in
     return {"min": float(cos.min()), "mean": float(cos.mean()), "tokens": int(len(cos)),
-            "nonfinite_tokens": int((~ok).sum())}
+            "nonfinite_tokens": int((~ok).sum()), "intervals": {"mean": mean_interval(cos, texts, "texts")}}
 
 
 def real_rows_finite(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -179,19 +205,33 @@ def real_rows_finite(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 # --- causal language models: next-token agreement, perplexity, multiple choice (GPT-Neo study) ---
 
-def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float | None:
-    """exp of the mean negative log-likelihood of `targets` [tokens] under `logits` [tokens, vocab], in
-    float64; None where any row is non-finite (the non-finite scan counts those)."""
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    """The negative log-likelihood of each of `targets` [tokens] under `logits` [tokens, vocab], in float64;
+    None where any row is non-finite (the non-finite scan counts those)."""
     if logits.shape[0] == 0 or not finite_rows(logits).all():
         return None
-    return float(torch.exp(F.cross_entropy(logits.double(), targets.long(), reduction="mean")))
+    return F.cross_entropy(logits.double(), targets.long(), reduction="none")
 
 
-def next_token_agreement(ref_logits: torch.Tensor, eng_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float | None:
+    """exp of the mean negative log-likelihood of `targets` under `logits` (token_nll)."""
+    nll = token_nll(logits, targets)
+    return None if nll is None else float(torch.exp(nll.mean()))
+
+
+def next_token_agreement(ref_logits: torch.Tensor, eng_logits: torch.Tensor, targets: torch.Tensor,
+                         texts: torch.Tensor | None = None, unit: str = "texts") -> dict[str, Any]:
     """Teacher-forced next-token quality of an engine against the reference, token by token: KL(reference ||
     engine) (mean, p99) and top-1 agreement over the tokens whose engine logits are finite, and the
-    engine's perplexity of the targets."""
-    return {**mlm_agreement(ref_logits, eng_logits), "perplexity": perplexity(eng_logits, targets)}
+    engine's perplexity of the targets; the intervals of mean KL and of perplexity over the `texts` the
+    tokens came from (one id per token)."""
+    out = mlm_agreement(ref_logits, eng_logits, texts, unit)
+    nll = token_nll(eng_logits, targets)
+    out["perplexity"] = None if nll is None else float(torch.exp(nll.mean()))
+    if nll is not None:
+        out.setdefault("intervals", {})["perplexity"] = mean_interval(
+            nll, texts, "tokens" if texts is None else unit, transform=math.exp)
+    return out
 
 
 def continuation_loglik(logits: torch.Tensor, ids: torch.Tensor, start: int, end: int) -> float:

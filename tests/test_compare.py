@@ -144,3 +144,38 @@ def test_rounds_shorter_than_the_minimum_make_more_calls():
     assert fast.calls == 1 + 1 + calls + 3 * calls  # warm-up, the one call that calibrates, a round's worth, rounds
     plain = time_interleaved({"fast": SleepingRunner(1.0)}, warmup=1, rounds=3, calls=1)
     assert plain["fast"]["calls_per_round"] == 1
+
+
+def test_a_mean_resamples_whole_clusters():
+    """Tokens 1, 1, 1 of text A and 4 of text B. Drawing texts, a replicate is A+A (mean 1), A+B (7/4) or
+    B+B (4): the 95% interval is [1, 4]. Drawing the four tokens one by one, three or more 4s out of four
+    draws has chance 4 (1/4)^3 (3/4) + (1/4)^4 = 0.051 > 0.025, four 4s 0.004: the upper end is 13/4."""
+    from quantstudy.compare import mean_interval
+
+    assert mean_interval([1, 1, 1, 4], [0, 0, 0, 1]) == (1.0, 4.0)
+    low, high = mean_interval([1, 1, 1, 4])
+    assert low == 1.0 and high == 3.25
+
+
+def test_a_means_interval_on_a_normal_sample_is_about_1_96_standard_errors():
+    """2000 draws of N(0, 1): the 95% interval of their mean is their mean +- 1.96 / sqrt(2000) = 0.0438."""
+    import numpy as np
+
+    from quantstudy.compare import mean_interval
+
+    values = np.random.default_rng(1).standard_normal(2000)
+    low, high = mean_interval(values.tolist())
+    assert (high - low) / 2 == pytest.approx(1.96 / 2000 ** 0.5, rel=0.1)
+    assert low < values.mean() < high
+    assert mean_interval([5.0]) == (5.0, 5.0)  # one unit: exact
+
+
+def test_units_to_resolve_shrinks_the_half_width_as_one_over_sqrt_n():
+    """0.008 in [0.006, 0.010] over 100 texts against at most 0.0095: the half-width toward the threshold,
+    0.002, must fall below the gap, 0.0015: 100 x (0.002 / 0.0015)^2 = 177.8, so 178 texts."""
+    from quantstudy.compare import units_to_resolve
+
+    assert units_to_resolve(0.008, (0.006, 0.010), 100, 0.0095) == 178
+    assert units_to_resolve(1.0, (0.5, 1.25), 100, 0.75) == 400  # toward the low end: (0.5 / 0.25)^2 = 4
+    assert units_to_resolve(1.0, (0.9, 1.25), 100, 0.75) == 100  # resolved already
+    assert units_to_resolve(0.0095, (0.009, 0.010), 100, 0.0095) is None

@@ -242,3 +242,43 @@ def test_an_x_whose_interval_straddles_the_threshold_is_within_the_noise_and_say
 def test_sums_of_counts_and_columns_without_intervals_are_judged_on_their_values():
     d = decide(study(NONFINITE, TOP1), {"speed": speed(), "quality": GOOD_Q})
     assert [(c["resolved"], c["interval"]) for c in d["conditions"]] == [("met", None), ("met", None)]
+
+
+def boot(value: float, low: float, high: float, n: int = 100, unit: str = "texts") -> dict:
+    return {"low": low, "high": high, "n": n, "unit": unit, "method": "bootstrap", "level": 0.95}
+
+
+FEATURES = {"name": "feature error", "table": "quality", "column": "features.mean", "reduce": "max", "compare": "<=",
+            "threshold": 0.0095}
+
+
+def features(*rows) -> pd.DataFrame:
+    """Candidate rows of a mean with its bootstrap interval: (value, low, high)."""
+    return pd.DataFrame([{"variant": "fp8", "setting": "w512", "features.mean": v, "nonfinite": 0, "status": "ok",
+                          "source": f"fp8-{i}/quality.json", "intervals": {"features.mean": boot(v, lo, hi)}}
+                         for i, (v, lo, hi) in enumerate(rows)])
+
+
+def test_a_mean_whose_bootstrap_interval_straddles_the_threshold_is_within_the_noise():
+    """0.008 in [0.006, 0.010] over 100 texts against at most 0.0095: met on its value, within the noise;
+    100 x (0.002 / 0.0015)^2 = 177.8 texts would resolve it. In [0.007, 0.009] it is met."""
+    c = decide(study(FEATURES), {"speed": speed(), "quality": features((0.008, 0.006, 0.010))})["conditions"][0]
+    assert c["pass"] is True and c["resolved"] == "within the noise"
+    assert c["interval_kind"] == "bootstrap over 100 texts" and c["to_resolve"] == "178 texts a row"
+    assert (c["interval"]["min"], c["interval"]["max"]) == (0.006, 0.010)
+    clear = decide(study(FEATURES), {"speed": speed(), "quality": features((0.008, 0.007, 0.009))})["conditions"][0]
+    assert clear["resolved"] == "met"
+
+
+def test_a_relative_condition_combines_both_engines_intervals_in_log_space():
+    """fp8's KL 0.02 in [0.018, 0.022] over fp16's 0.002 in [0.0019, 0.0021]: 10 x. Its interval by hand, the two
+    log half-widths in quadrature: below sqrt(log(0.02/0.018)^2 + log(0.0021/0.002)^2) = 0.11611, above
+    sqrt(log(0.022/0.02)^2 + log(0.002/0.0019)^2) = 0.10824: [8.9038, 11.1431]. "At most 10.5" is within
+    its noise; "at most 12" is met."""
+    q = kl(("fp16", "a", 0.002), ("fp8", "a", 0.02))
+    q["intervals"] = [{"wikitext.kl": boot(0.002, 0.0019, 0.0021)}, {"wikitext.kl": boot(0.02, 0.018, 0.022)}]
+    c = decide(study({**KL_VS_FP16, "threshold": 10.5}), {"speed": speed(), "quality": q})["conditions"][0]
+    assert c["resolved"] == "within the noise" and c["pass"] is True
+    assert c["interval"]["min"] == pytest.approx(8.9038, abs=1e-4) and c["interval"]["max"] == pytest.approx(11.1431, abs=1e-4)
+    clear = decide(study({**KL_VS_FP16, "threshold": 12}), {"speed": speed(), "quality": q})["conditions"][0]
+    assert clear["resolved"] == "met"

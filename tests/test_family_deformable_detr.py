@@ -331,6 +331,15 @@ def test_an_engine_that_finds_every_box_scores_ap_1(fam, checkpoint, tmp_path):
     assert got.nonfinite["heldout"] == {"bad": 1, "of": 8}
     assert got.blocks["heldout"]["ap"] < 1.0 and got.blocks["heldout_vs_fp16"]["ap"] == pytest.approx(1.0)
     assert got.blocks["heldout_vs_fp16"]["ap_drop"] == pytest.approx(1.0 - got.blocks["heldout"]["ap"])
+    # AP's intervals resample the images, every detector on the same draw: the oracle's drop from the reference
+    # (itself) is 0 on every draw; the broken engine's drop from the oracle is never negative on a shared draw
+    # (drawn apart, an easier draw for the engine than for the oracle would make it so)
+    same = block["intervals"]["ap_drop"]
+    assert (same["low"], same["high"], same["n"], same["unit"]) == (0.0, 0.0, 8, "images")
+    drop = got.blocks["heldout_vs_fp16"]["intervals"]["ap_drop"]
+    assert 0.0 <= drop["low"] <= got.blocks["heldout_vs_fp16"]["ap_drop"] <= drop["high"] and drop["high"] > drop["low"]
+    ap = got.blocks["heldout"]["intervals"]["ap"]
+    assert ap["low"] <= got.blocks["heldout"]["ap"] <= ap["high"] < 1.0 + 1e-9
     _, reference_blocks = fam.reference(checkpoint, {"heldout": samples}, setting, metrics, {}, "cpu")
     assert_declares_its_quality_columns(fam, got, reference_blocks, ["heldout"], ["fp16"])
 

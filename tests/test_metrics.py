@@ -108,7 +108,8 @@ def test_token_relative_error_leaves_out_and_counts_nonfinite_texts():
     eng[1, 1, 0] = math.inf  # padding: does not count
     mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
     e = qm.token_relative_error(ref, eng, mask)
-    assert e == {"mean": 0.0, "max": 0.0, "texts": 2, "nonfinite_texts": 1}
+    assert {k: v for k, v in e.items() if k != "intervals"} == {"mean": 0.0, "max": 0.0, "texts": 2, "nonfinite_texts": 1}
+    assert e["intervals"]["mean"]["n"] == 2 and e["intervals"]["mean"]["unit"] == "texts"  # the finite texts
     assert qm.real_rows_finite(eng, mask).tolist() == [False, True, True]
     assert qm.token_relative_error(ref[:1], eng[:1], mask[:1])["mean"] is None
 
@@ -349,3 +350,18 @@ def test_the_quality_bar_passes_a_row_exactly_at_its_limit_and_fails_one_just_ab
     ref, eng = torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.25]])
     assert qm.quality_bar(ref, eng, max_relative_l2=0.25)["passed"] == 1
     assert qm.quality_bar(ref, eng, max_relative_l2=0.2499)["failed"] == 1
+
+
+def test_a_perplexitys_interval_draws_whole_texts_and_is_the_exp_of_the_mean_nlls():
+    """Two texts of two tokens each, the engine sure of text 0's targets (NLL about 0) and uniform over 4
+    classes on text 1's (NLL log 4): drawing texts, a replicate's mean NLL is 0, log(4)/2 or log 4, so the 95%
+    interval of perplexity is [1, 4] (exp of the ends). Drawing tokens alone would give the same ends, but
+    `n` counts texts, 2."""
+    logits = torch.tensor([[50.0, 0, 0, 0], [0, 50.0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    targets = torch.tensor([0, 1, 2, 3])
+    out = qm.next_token_agreement(logits, logits, targets, torch.tensor([0, 0, 1, 1]), "chunks")
+    p = out["intervals"]["perplexity"]
+    assert (p["low"], p["n"], p["unit"]) == (pytest.approx(1.0), 2, "chunks") and p["high"] == pytest.approx(4.0)
+    assert out["perplexity"] == pytest.approx(2.0)  # exp(log(4) / 2)
+    kl = out["intervals"]["kl_mean"]
+    assert (kl["low"], kl["high"], kl["n"]) == (0.0, 0.0, 2)  # the engine is the reference

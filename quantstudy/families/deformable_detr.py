@@ -36,6 +36,7 @@ GridSample (opset 16+), which ONNX Runtime CPU runs. The legacy exporter is not 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -495,16 +496,23 @@ class DeformableDetr:
             ref_logits = reference[f"{name}_logits"]
             ref = _detections(ref_logits, reference[f"{name}_boxes"], truth, labels)
             ref_ap = box_ap(ref, rows, truth, labels)["ap"]
-            blocks[name] = {**ap, "reference_ap": ref_ap, "ap_drop": ref_ap - ap["ap"],
-                            **agreement(ref_logits, ref, logits, mine, metrics)}
             bad = ~(torch.isfinite(logits).flatten(1).all(1) & torch.isfinite(boxes).flatten(1).all(1))
             nonfinite[name] = {"bad": int(bad.sum()), "of": len(rows)}
+            theirs = {}
             for other_name, other in (against or {}).items():
                 their_logits, their_boxes = detector_outputs(other, processor, images, setting, f"{name} on {other_name}")
-                theirs = _detections(their_logits, their_boxes, truth, labels)
-                their_ap = box_ap(theirs, rows, truth, labels)["ap"]
+                theirs[other_name] = their_logits, _detections(their_logits, their_boxes, truth, labels)
+            draws = ap_draws({"engine": mine, "reference": ref, **{k: d for k, (_, d) in theirs.items()}},
+                             rows, truth, labels)
+            drop = lambda other: ap_interval([a - b for a, b in zip(draws[other], draws["engine"])], len(rows))
+            blocks[name] = {**ap, "reference_ap": ref_ap, "ap_drop": ref_ap - ap["ap"],
+                            **agreement(ref_logits, ref, logits, mine, metrics),
+                            "intervals": {"ap": ap_interval(draws["engine"], len(rows)), "ap_drop": drop("reference")}}
+            for other_name, (their_logits, their) in theirs.items():
+                their_ap = box_ap(their, rows, truth, labels)["ap"]
                 blocks[base.against_block(name, other_name)] = {
-                    "ap": their_ap, "ap_drop": their_ap - ap["ap"], **agreement(their_logits, theirs, logits, mine, metrics)}
+                    "ap": their_ap, "ap_drop": their_ap - ap["ap"], **agreement(their_logits, their, logits, mine, metrics),
+                    "intervals": {"ap": ap_interval(draws[other_name], len(rows)), "ap_drop": drop(other_name)}}
         return base.Evaluation(blocks, nonfinite)
 
     def quality_columns(self, evaluation_samples: list[str], against: list[str]) -> base.QualityColumns:
@@ -688,6 +696,37 @@ def box_ap(detections: list[list[dict[str, Any]]], samples: list[dict[str, Any]]
     found = [{**d, "image_id": s["id"]} for s, ds in zip(samples, detections) for d in ds]
     categories = [{"id": i, "name": n} for n, i in sorted(labels.items(), key=lambda kv: kv[1])]
     return qm.coco_box_ap(images, annotations, found, categories)
+
+
+AP_RESAMPLES = 200  # each resample evaluates COCO AP of every detector whole
+
+
+def ap_draws(detectors: dict[str, list[list[dict[str, Any]]]], samples: list[dict[str, Any]],
+             truth: list[dict[str, Any]], labels: dict[str, int]) -> dict[str, list[float]]:
+    """Each detector's COCO AP on bootstrap resamples of the images (compare.bootstrap_draws): every
+    resample draws the images once and evaluates all the detectors on them, so that the drop from one to
+    another is paired. A drawn image counts as often as it is drawn (a fresh image id each time). Empty
+    lists where there are fewer than two images."""
+    from quantstudy import compare
+
+    def aps(picks: list[int]) -> dict[str, float]:
+        drawn = [{**samples[i], "id": n + 1} for n, i in enumerate(picks)]
+        with contextlib.redirect_stdout(io.StringIO()):  # the evaluator prints its summary each time
+            return {name: box_ap([found[i] for i in picks], drawn, [truth[i] for i in picks], labels)["ap"]
+                    for name, found in detectors.items()}
+
+    draws = compare.bootstrap_draws(aps, len(samples), AP_RESAMPLES)
+    return {name: [d[name] for d in draws] for name in detectors}
+
+
+def ap_interval(draws: list[float], images: int) -> dict[str, Any] | None:
+    """An AP's (or a drop's) interval from its bootstrap draws (ap_draws), as metrics.mean_interval records one."""
+    from quantstudy import compare
+
+    if not draws:
+        return None
+    low, high = compare.percentile_interval(draws)
+    return {"low": low, "high": high, "n": images, "unit": "images", "method": "bootstrap", "level": compare.VERDICT_LEVEL}
 
 
 def agreement(ref_logits: torch.Tensor, ref_detections: list[list[dict[str, Any]]], logits: torch.Tensor,

@@ -372,7 +372,9 @@ class FNet:
         ref_model.to(device)  # the MLM head over every masked token is a large GEMM
         with torch.no_grad():
             head = lambda x: ref_model.cls.predictions(x.float().to(device))
-            mlm = qm.mlm_agreement(head(reference["mlm_features"]), head(masked[pos[:, 0], pos[:, 1]]))
+            # a passage's masked tokens vary together: the interval draws whole passages
+            mlm = qm.mlm_agreement(head(reference["mlm_features"]), head(masked[pos[:, 0], pos[:, 1]]), pos[:, 0].cpu(),
+                                   "passages")
         heldout = features(reference["heldout_ids"], "held-out passages")
         sts = features(reference["sts_ids"], "STS sentences")
         gold = [p["score"] for p in samples["sts"]]

@@ -407,8 +407,11 @@ class GPTNeo:
         nonfinite: dict[str, dict[str, Any]] = {}
         tf = run({"input_ids": reference["tf_chunks"].long()}, "teacher-forced WikiText-2 chunks", graph="prefill")
         nonfinite["wikitext"] = {"bad": _bad_rows(tf), "of": reference["tf_chunks"].shape[0]}
+        chunks, positions = reference["tf_chunks"].shape
+        # a chunk's tokens vary together: the intervals draw whole chunks
         wikitext = qm.next_token_agreement(reference["tf_logits"].float(), tf["logits"].flatten(0, 1).float(),
-                                           reference["tf_targets"])
+                                           reference["tf_targets"], torch.arange(chunks).repeat_interleave(positions),
+                                           "chunks")
         scores, bad = [], 0
         ids, starts, ends = reference["arc_ids"].long(), reference["arc_starts"].tolist(), reference["arc_ends"].tolist()
         for i in range(0, ids.shape[0], ARC_ROWS_PER_CALL):

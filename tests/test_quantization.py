@@ -149,3 +149,47 @@ def test_a_transform_with_when_applies_only_at_the_settings_it_names():
     assert at(512) == [{"fp8": {}}, {"hidden_scaling": {"factor": 64}}]
     assert at(128) == at(256) == [{"fp8": {}}]
     assert not Variant("x", "float16", (("fp8", {"when": {"window": [512]}}),)).has_fp8(Setting("w128", 1, {"window": 128}))
+
+
+def _outlier_stack():
+    """Two linears; the first's inputs have 4 of 64 channels 20 times the rest (an outlier tail)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+    g = torch.Generator().manual_seed(1)
+    batches = [{"input": torch.randn(16, 64, generator=g) * torch.cat([torch.ones(60), torch.full((4,), 20.0)])}
+               for _ in range(8)]
+    return model, batches
+
+
+def test_max_calibration_is_the_largest_input_and_weight_seen():
+    model, batches = _outlier_stack()
+    first = model[0].weight.detach().abs().max()
+    inputs = torch.cat([b["input"] for b in batches]).abs().max()
+    amax = q.calibrate(model, batches)
+    assert amax["0"]["input_amax"] == pytest.approx(float(inputs)) and amax["0"]["weight_amax"] == pytest.approx(float(first))
+
+
+def test_percentile_calibration_is_the_inputs_percentile_within_a_histogram_bin():
+    """ModelOpt's histogram calibrator at 99%: the first layer's input amax is the 99th percentile of |x| over
+    the calibration inputs, within 2% (its 2048 bins span the range of the batches so far and are merged as
+    later batches exceed it: measured 30.48 against 30.13); the weights stay at max."""
+    model, batches = _outlier_stack()
+    x = torch.cat([b["input"] for b in batches]).abs().flatten().double()
+    amax = q.calibrate(model, batches, method={"method": "percentile", "percentile": 99.0})
+    assert amax["0"]["input_amax"] == pytest.approx(float(torch.quantile(x, 0.99)), rel=0.02)
+    assert amax["0"]["input_amax"] < 0.6 * float(x.max())  # the outlier tail clipped, unlike max
+    assert amax["0"]["weight_amax"] == pytest.approx(float(model[0].weight.detach().abs().max()))
+
+
+@pytest.mark.parametrize("method", [{"method": "entropy"}, {"method": "histogram_mse"},
+                                    {"method": "smoothquant", "alpha": 0.5}])
+def test_a_method_modelopt_does_not_apply_to_fp8_says_so(method):
+    model, batches = _outlier_stack()
+    with pytest.raises(q.NotApplicable, match="ModelOpt 0.47"):
+        q.calibrate(model, batches, method=method)
+
+
+def test_an_unknown_calibration_method_is_refused():
+    model, batches = _outlier_stack()
+    with pytest.raises(ValueError, match="not one of max, mse"):
+        q.calibrate(model, batches, method={"method": "minmax"})

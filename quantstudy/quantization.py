@@ -8,6 +8,8 @@ applied to a family's graph module. The generic ones:
                   work precision
   fp32_dequantize the FP8 layers dequantize to fp32 instead of the recipe's dtype
   widen_scales    activation scales widened by `factor` (amax x factor)
+  microscaling    the recipe's layers (narrowed as fp8's are) fake-quantized to a block-scaled `format`,
+                  nvfp4 or mxfp8 (MicroscaledLinear): quality anywhere, no speed before Blackwell
 A family adds its own (FNet: `hidden_scaling`), as fn(model, params) -> summary entries.
 A layer that a family's graph module also calls at a named site (`declare_call_sites`,
 `linear_call`, e.g. attention projections also applied to relative position embeddings) is
@@ -31,7 +33,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8 = torch.float8_e4m3fn
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 FP8_REGION = "quantstudy.fp8_gemm"  # profiler region of an FP8 layer (quantize + GEMM)
-TRANSFORMS = {"fp8", "fp32_dequantize", "widen_scales"}  # generic; families add their own
+TRANSFORMS = {"fp8", "fp32_dequantize", "widen_scales", "microscaling"}  # generic; families add their own
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +155,54 @@ class FP8Linear(nn.Module):
     def extra_repr(self) -> str:
         gemm = "torch._scaled_mm" if self.fp8_gemm else "fake-quant"
         return f"in={self.in_features}, out={self.out_features}, dequantize={self.dequantize_dtype}, gemm={gemm}"
+
+
+# Block-scaled formats a variant's `microscaling` transform fakes (ModelOpt's QTensor formats): their block
+# along the last axis.
+MICROSCALING_BLOCK = {"nvfp4": 16, "mxfp8": 32}
+E2M1_MAX = 6.0  # largest NVFP4 (E2M1) value
+
+
+def microscaled(x: torch.Tensor, fmt: str, global_amax: float | None = None) -> torch.Tensor:
+    """x quantized to a block-scaled format and back, in float32, by ModelOpt's QTensor (pure torch: any device):
+    - nvfp4: E2M1 values in blocks of 16 along the last axis, an E4M3 scale per block, and a per-tensor fp32
+      scale amax / (6 x 448), from `global_amax` (a calibrated activation amax) or else x's own;
+    - mxfp8: E4M3 values in blocks of 32, a power-of-two (E8M0) scale per block, nothing calibrated."""
+    from modelopt.torch.quantization.qtensor import MXFP8QTensor, NVFP4QTensor
+
+    block = MICROSCALING_BLOCK.get(fmt)
+    if block is None:
+        raise ValueError(f"microscaling format {fmt!r} is not one of {', '.join(MICROSCALING_BLOCK)}")
+    if x.shape[-1] % block:
+        raise ValueError(f"{fmt} scales blocks of {block} along the last axis; this tensor's is {x.shape[-1]} long")
+    x = x.float()
+    if fmt == "mxfp8":
+        q, scale = MXFP8QTensor.quantize(x)
+        return q.dequantize(dtype=torch.float32, scale=scale)
+    per_tensor = None if global_amax is None else torch.tensor(global_amax / (E2M1_MAX * FP8_MAX), device=x.device)
+    q, scale, per_tensor = NVFP4QTensor.quantize(x, block, weights_scaling_factor_2=per_tensor)
+    return q.dequantize(dtype=torch.float32, scale=scale, double_scale=per_tensor, block_sizes={-1: block})
+
+
+class MicroscaledLinear(nn.Module):
+    """activation and weight fake-quantized to a block-scaled format (`microscaled`), then a linear in the
+    work precision: the quality of an NVFP4 or MXFP8 layer, on any device. The weight is quantized once
+    here; the activation on every call, its NVFP4 per-tensor scale from the calibrated input amax (ModelOpt's
+    NVFP4_DEFAULT_CFG calibrates it by max). No real block-scaled GEMM runs: speed needs a Blackwell GPU."""
+
+    def __init__(self, weight_fp32: torch.Tensor, bias: torch.Tensor | None, fmt: str, input_amax: float,
+                 work_dtype: torch.dtype):
+        super().__init__()
+        self.fmt, self.input_amax = fmt, float(input_amax)
+        self.register_buffer("weight", microscaled(weight_fp32, fmt).to(work_dtype))
+        self.bias = nn.Parameter(bias.detach().to(work_dtype)) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq = microscaled(x, self.fmt, self.input_amax if self.fmt == "nvfp4" else None).to(x.dtype)
+        return F.linear(xq, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, format={self.fmt}, fake-quant"
 
 
 def use_fp8_gemm(model: nn.Module, device: torch.device | str) -> list[str]:
@@ -315,6 +365,26 @@ def transform_names(family_transforms: dict[str, Callable] | None = None) -> set
     return TRANSFORMS | set(family_transforms or {})
 
 
+def _microscale(model: nn.Module, params: dict[str, Any], recipe: dict[str, Any], amax_doc: dict[str, Any] | None,
+                work: torch.dtype, with_fp8: bool) -> dict[str, Any]:
+    """The microscaling transform: the recipe's layers (fp8_layers, with the transform's include / exclude /
+    add) replaced by MicroscaledLinear in `params["format"]`."""
+    if with_fp8:
+        raise ValueError("a variant quantizes its layers by fp8 or by microscaling, not both")
+    if amax_doc is None:
+        raise ValueError("the microscaling transform needs an amax file (NVFP4's per-tensor activation scale)")
+    fmt = params.get("format")
+    layers = fp8_layers(linear_names(model), recipe, params, amax_doc["outliers"]["layers"])
+    if not layers:
+        raise ValueError("the microscaling transform selects no layer")
+    for name in layers:
+        parent_name, _, child = name.rpartition(".")
+        parent, old = model.get_submodule(parent_name), model.get_submodule(name)
+        setattr(parent, child, MicroscaledLinear(old.weight.detach().float(), old.bias, fmt,
+                                                 amax_doc["amax"][name]["input_amax"], work))
+    return {"microscaled_layers": sorted(layers), "microscaling_format": fmt}
+
+
 def apply_variant(model: nn.Module, spec: dict[str, Any], recipe: dict[str, Any], amax_doc: dict[str, Any] | None,
                   family_transforms: dict[str, Callable[[nn.Module, dict], dict]] | None = None
                   ) -> tuple[nn.Module, dict[str, Any]]:
@@ -345,6 +415,8 @@ def apply_variant(model: nn.Module, spec: dict[str, Any], recipe: dict[str, Any]
         if excluded_calls - declared:
             raise ValueError(f"exclude_calls names {', '.join(sorted(excluded_calls - declared))}, which no layer "
                              f"declares; declared call sites: {', '.join(sorted(declared)) or 'none'}")
+    if "microscaling" in names:  # from the fp32 weights, before the cast
+        summary.update(_microscale(model, names["microscaling"], recipe, amax_doc, work, "fp8" in names))
     model = model.to(work)
     dequant = torch.float32 if "fp32_dequantize" in names else DTYPES[recipe["dequantize_dtype"]]
     widen = float(names.get("widen_scales", {}).get("factor", 1.0))

@@ -193,3 +193,40 @@ def test_an_unknown_calibration_method_is_refused():
     model, batches = _outlier_stack()
     with pytest.raises(ValueError, match="not one of max, mse"):
         q.calibrate(model, batches, method={"method": "minmax"})
+
+
+def test_nvfp4_rounds_each_value_to_the_e2m1_grid_times_its_block_scale():
+    """A block of 16 with amax 6 and a calibrated amax of 6 x 448: per-tensor scale 1, block scale 6 / 6 = 1, so
+    each value goes to the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (2.6 -> 3, 0.7 -> 0.5, 5.2 -> 6, 0.2 -> 0).
+    With a calibrated amax ten times larger the per-tensor scale is 10 and the block scale 0.1, which E4M3
+    holds as 0.1015625 (1.625 x 2^-4): 6 comes back as 6 x 1.015625 = 6.09375."""
+    x = torch.tensor([[0, 0.5, 1, 1.5, 2, 3, 4, 6, 2.6, 0.7, -6, -0.4, 5.2, 1.2, 0.2, 3.4]])
+    want = torch.tensor([[0, 0.5, 1, 1.5, 2, 3, 4, 6, 3, 0.5, -6, -0.5, 6, 1, 0, 3]])
+    assert torch.equal(q.microscaled(x, "nvfp4", 6 * 448), want)
+    assert q.microscaled(x, "nvfp4", 6 * 448 * 10)[0, 7].item() == 6.09375
+    with pytest.raises(ValueError, match="blocks of 16"):
+        q.microscaled(torch.ones(2, 24), "nvfp4")
+
+
+def test_mxfp8_scales_each_block_of_32_by_a_power_of_two():
+    """32 powers of two, 2^-24 to 2^7: the block's scale is 2^(7 - 8) (E4M3's largest exponent is 8), so x /
+    scale runs 2^-23 to 2^8 and every value below E4M3's smallest subnormal, 2^-9 (x < 2^-10), flushes to 0:
+    the 14 smallest; the 18 others come back exact."""
+    y = torch.tensor([[2.0 ** k for k in range(-24, 8)]])
+    got = q.microscaled(y, "mxfp8")
+    assert torch.equal(got[0, :14], torch.zeros(14)) and torch.equal(got[0, 14:], y[0, 14:])
+
+
+def test_the_microscaling_transform_replaces_the_recipes_layers_and_reads_the_calibrated_amax():
+    model, batches = _outlier_stack()
+    amax = {"amax": q.calibrate(copy.deepcopy(model), batches), "outliers": {"layers": []}}
+    x = batches[0]["input"]
+    spec = {"precision": "float32", "transforms": [{"microscaling": {"format": "nvfp4", "exclude": ["2"]}}]}
+    got, summary = q.apply_variant(copy.deepcopy(model), spec, {"quantize": ["*"], "dequantize_dtype": "float32"}, amax)
+    assert summary["microscaled_layers"] == ["0"] and summary["microscaling_format"] == "nvfp4"
+    first = q.microscaled(x, "nvfp4", amax["amax"]["0"]["input_amax"]) @ q.microscaled(model[0].weight.detach(), "nvfp4").T
+    want = model[2](model[1](first + model[0].bias))
+    assert torch.allclose(got(x), want, atol=1e-5)
+    with pytest.raises(ValueError, match="not both"):
+        q.apply_variant(copy.deepcopy(model), {"precision": "float32", "transforms": [{"fp8": {}}, {"microscaling": {"format": "mxfp8"}}]},
+                        {"quantize": ["*"], "dequantize_dtype": "float32"}, amax)

@@ -20,6 +20,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from quantstudy import paths
 from quantstudy.artifacts import atomic_write
 from quantstudy.families.base import QualityColumns, Setting
 
@@ -30,9 +31,6 @@ ARCHITECTURES = ROOT / "config" / "architectures"
 SETTING_KEYS = ("batch", "quality", "engine")
 # One empty file per study config that passed the checks against the code (see _code_check_key).
 CODE_CHECKS = ROOT / ".snakemake" / "quantstudy" / "checked-against-code"
-# Where the workflow keeps a setting's and a variant's files, under results/, logs/ and benchmarks/.
-SETTING_KEY = "{study}/{target}/{model}/{setting}"
-VARIANT_KEY = f"{SETTING_KEY}/{{variant}}"
 
 # The keys of a published number's row in tables.json, and what a column's value is multiplied by to
 # be in the units the write-up prints (a fraction as %, bytes as MiB).
@@ -247,11 +245,10 @@ class Study:
         return _engine_of(self.raw["settings"], setting)
 
     def build_json(self, target: str, model: str, setting: str, variant: str) -> str:
-        """The build.json of the engine a variant is timed and evaluated on at `setting`: built at that
-        setting, or at the one whose dynamic-shape engine serves it (`engine:`)."""
-        keys = {"study": self.name, "target": target, "model": model, "setting": self.engine_setting(setting),
-                "variant": variant}
-        return f"results/{VARIANT_KEY.format(**keys)}/build.json"
+        """The build record (paths.BUILD) of the engine a variant is timed and evaluated on at `setting`:
+        built at that setting, or at the one whose dynamic-shape engine serves it (`engine:`)."""
+        return paths.BUILD.format(study=self.name, target=target, model=model, setting=self.engine_setting(setting),
+                                  variant=variant)
 
     def served_settings(self, target: str, model: str, setting: str, variant: str) -> list[str]:
         """The settings whose jobs open the engine built at `setting`: itself first, then those whose

@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Iterable
 
-from quantstudy import artifacts, hub
+from quantstudy import artifacts, hub, paths
 from quantstudy.artifacts import now, provenance, read_json, sha256_path, write_json
 from quantstudy.config import Target, on_its_card
 from quantstudy.timing import measures_speed
@@ -375,7 +375,7 @@ def export(ident: dict[str, Any], family: str, setting: dict[str, Any], architec
         fam, st, ckpt = _family(family), _setting(setting), _snapshot(checkpoint_json)
         specs, graphs, summary = fam.graphs(st, architecture), {}, {}
         for name, (model, summary) in _variant_modules(family, ckpt, st, spec, recipe, amax_doc, specs).items():
-            info = qe.export(model, example_inputs(family, ckpt, name, st, spec["precision"]), Path(out).parent / name,
+            info = qe.export(model, example_inputs(family, ckpt, name, st, spec["precision"]), paths.graph_dir(out, name),
                              opset or qe.OPSET, _dynamic(specs[name]))
             if sorted(info["fp8_layers"]) != summary["fp8_layers"]:
                 raise RuntimeError(f"the {name} ONNX has Q/DQ for {info['fp8_layers']}, the variant's FP8 layers "
@@ -402,7 +402,7 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
     from quantstudy import backends, record
 
     started = now()
-    out_measurements = str(Path(out).with_name(record.FILE))
+    out_measurements = str(paths.beside(out, paths.MEASUREMENTS))
     inputs = {"checkpoint": checkpoint_json, **({"amax": amax_json} if amax_json else {}),
               **({"export": export_json} if export_json else {})}
     params = {"spec": spec, "recipe": recipe, "target": target, "setting": setting, "serves": serves}
@@ -427,12 +427,12 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
                                    f"{exported['error']}")
             summary = {k: v for k, v in exported.items() if k not in _EXPORT_KEYS}
             for name, g in exported["graphs"].items():
-                engines[name] = backend.build(g["onnx"], Path(out).parent / name, tgt, shapes(name))
+                engines[name] = backend.build(g["onnx"], paths.graph_dir(out, name), tgt, shapes(name))
         else:
             modules = _variant_modules(family, ckpt, st, spec, recipe, amax_doc, graphs)
             made["linear"] = {name: _linear_layers(model) for name, (model, _) in modules.items()}
             for name, (model, summary) in modules.items():
-                engines[name] = backend.build(model, Path(out).parent / name, tgt, shapes(name))
+                engines[name] = backend.build(model, paths.graph_dir(out, name), tgt, shapes(name))
         for engine in engines.values():  # what every job that opens it checks, and the audit
             engine["engine_sha256"] = artifacts.sha256_file(engine["engine"])
             if "compiled" in engine:
@@ -492,7 +492,7 @@ def open_engines(family: str, build_doc: dict[str, Any], recipe: dict, checkpoin
             if path and artifacts.sha256_file(path) != build_doc["graphs"][g][digest]:
                 raise RuntimeError(f"{path} is not the file the build of {build_doc['variant']} made (its sha256 "
                                    f"differs from the build's); rebuild it: snakemake --forcerun build "
-                                   f"{Path(path).parent.parent / 'build.json'}")
+                                   f"{paths.build_of_engine(Path(path).parent)}")
     precision = build_doc["spec"]["precision"]
     examples = {g: example_inputs(family, ckpt, g, setting, precision) for g in names}
     for g in names:  # a torch engine runs the shapes it was built for, and no other

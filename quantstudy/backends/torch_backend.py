@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from quantstudy import paths
 from quantstudy.artifacts import atomic_write
 from quantstudy.backends import Inputs, Shapes, batch_chunks, register
 
@@ -289,7 +290,7 @@ class TorchBackend:
         if found["miss"] or found["bypass"]:
             raise NotBuilt(f"opening {out_dir} at {_shape_of(example)} had to compile {found['miss'] + found['bypass']} "
                            f"graph(s) that its build did not: the build compiled other shapes or other code; "
-                           f"rerun it: snakemake --forcerun build {Path(out_dir).parent / 'build.json'}")
+                           f"rerun it: snakemake --forcerun build {paths.build_of_engine(out_dir)}")
         runner.open_seconds = time.perf_counter() - started
         spent = {k: v - dynamo[k] for k, v in _dynamo_seconds().items()}
         loading = spent["compiler"] + spent["precompiled"]

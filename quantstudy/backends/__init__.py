@@ -6,26 +6,24 @@ to named outputs. Build once, measure that build: what a job times, profiles or 
 file `build` wrote, never something made again in the job. Backends never import a family: the
 steps hand them a module or an ONNX file and example inputs.
 
-A backend is a class in `<name>_backend.py` of this package, `@register`ed, as families are. A
-module whose libraries do not import here (TensorRT on a machine without it) is still listed, with
-the reason, so that a config naming it gets a clear error and the contract test says what it skipped.
+A backend is a class in `<name>_backend.py` of this package, `@register`ed, as families are
+(quantstudy.registry: a name taken twice, or a protocol member missing, is an error as the module
+loads). A module whose libraries do not import here (TensorRT on a machine without it) is still
+listed, with the reason, so that a config naming it gets a clear error and the contract test says
+what it skipped.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 import torch
 
-Inputs = dict[str, torch.Tensor]
+from quantstudy import registry
 
-_REGISTRY: dict[str, "Backend"] = {}
-_UNAVAILABLE: dict[str, str] = {}  # backend name -> why its module does not import here
-_SUFFIX = "_backend"
+Inputs = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -97,30 +95,24 @@ class Backend(Protocol):
     def profile(self, runner: Runner, calls: int, classify: Classify, regions: set[str]) -> dict[str, Any]: ...
 
 
+BACKENDS: registry.Registry[Backend] = registry.Registry("backend", __name__, Backend, suffix="_backend")
+
+
 def register(cls: type) -> type:
     """Class decorator: register a backend under its `name` (one instance, it holds no state)."""
-    _REGISTRY[cls.name] = cls()
+    BACKENDS.add(cls.name, cls(), registry.origin(cls))
     return cls
 
 
 def names() -> list[str]:
     """Every declared backend (a `<name>_backend` module here), whether or not it imports here."""
-    return sorted(i.name.removesuffix(_SUFFIX) for i in pkgutil.iter_modules(__path__) if i.name.endswith(_SUFFIX))
+    return BACKENDS.declared()
 
 
 def get(name: str) -> Backend:
     """The backend of a target. Only its own libraries are imported, and only now: a backend that
     cannot be imported here raises ImportError with the reason."""
-    if name not in _REGISTRY and name not in _UNAVAILABLE:
-        if name not in names():
-            raise KeyError(f"unknown backend {name!r}; known: {', '.join(names())}")
-        try:
-            importlib.import_module(f"{__name__}.{name}{_SUFFIX}")
-        except ImportError as e:
-            _UNAVAILABLE[name] = str(e)
-    if name in _UNAVAILABLE:
-        raise ImportError(f"backend {name!r} does not import here: {_UNAVAILABLE[name]}")
-    return _REGISTRY[name]
+    return BACKENDS.get(name)
 
 
 def available(name: str) -> tuple[bool, str]:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from quantstudy.artifacts import file_lock
 from quantstudy.compare import noise_between_jobs
+from quantstudy.kernel_kinds import FP8_GEMM_OPS, GEMM_OPS
 
 log = logging.getLogger("quantstudy")
 
@@ -109,33 +110,6 @@ def timing_noise(timings: list[dict[str, Any]]) -> dict[str, Any]:
             "x_from": "repeats" if x_dof else "the baselines' ms"}
 
 
-GEMM_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul", "aten::linear",
-            "aten::_scaled_mm", "aten::_scaled_mm_v2"}
-FP8_GEMM_OPS = {"aten::_scaled_mm", "aten::_scaled_mm_v2"}
-
-# Pieces every family's kernel_group(region, name, device, op, setting) is made of.
-
-
-def launching_op(name: str, device: str, op: dict[str, Any] | None) -> str | None:
-    """The op a profiled event belongs to: a CPU op is its own, a GPU kernel the op that launched
-    it (None where no recognised op did, e.g. compiled or TensorRT kernels)."""
-    return op["name"] if op else (name if device == "cpu" else None)
-
-
-def in_fp8_gemm(region: str | None, op_name: str | None) -> bool:
-    """Inside an FP8 layer (eager regions), or an FP8 GEMM op (compiled code, exported graphs)."""
-    from quantstudy.quantization import FP8_REGION
-
-    return region == FP8_REGION or op_name in FP8_GEMM_OPS
-
-
-def gemm_of_activations(op: dict[str, Any] | None) -> bool:
-    """A GEMM whose two operands are both batched (rank 3 or more): attention scores or values,
-    not a projection (whose weight is rank 2)."""
-    shapes = op["shapes"] if op else []
-    return len(shapes) >= 2 and all(len(s) >= 3 for s in shapes[:2])
-
-
 def projection_dims(a: list[int], b: list[int]) -> list[int] | None:
     """[M, K, N] of a GEMM of an activation [..., K] and a rank-2 operand (a weight, [K, N] or [N, K]):
     a projection. None for any other pair (a GEMM of two activations, a missing shape)."""
@@ -151,13 +125,6 @@ def gemm_dims(op: dict[str, Any] | None) -> list[int] | None:
         return None
     shapes = op["shapes"][1:] if op["name"] in ("aten::addmm", "aten::baddbmm") else op["shapes"]  # bias first
     return projection_dims(*shapes[:2]) if len(shapes) >= 2 else None
-
-
-def group_by_name(name: str, patterns: list[tuple[str, str]], default: str = "other") -> str:
-    """The first group whose pattern the kernel's name matches (case-insensitive), else `default`."""
-    import re
-
-    return next((group for group, pattern in patterns if re.search(pattern, name, re.I)), default)
 
 
 @contextlib.contextmanager

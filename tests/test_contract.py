@@ -15,6 +15,7 @@ timm, decode against Transformers' cache) are in tests/test_family_<name>.py.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 from pathlib import Path
@@ -95,6 +96,25 @@ def test_generic_code_names_no_family():
     found = [f"{path.relative_to(root)}: {w}" for pattern in GENERIC for path in sorted(root.glob(pattern))
              for w in sorted(words) if w.lower() in path.read_text().lower()]
     assert len(list(root.glob("rules/*.smk"))) >= 4
+    assert not found, found
+
+
+def test_a_family_never_imports_a_timer_or_a_backend():
+    """A family classifies kernels with quantstudy.kernel_kinds and never sees the profiler that found
+    them (quantstudy.timing) nor a backend: checked on every import statement of its module, those inside
+    functions included."""
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for path in sorted((root / "quantstudy/families").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                      if n in ("quantstudy.timing", "quantstudy.backends") or n.startswith("quantstudy.backends.")]
     assert not found, found
 
 

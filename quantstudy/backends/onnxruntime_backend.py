@@ -20,6 +20,7 @@ import onnxruntime as ort
 import torch
 
 from quantstudy.backends import Shapes, batch_chunks, register
+from quantstudy.kernel_kinds import FP8_REGION
 from quantstudy.timing import gemm_calls, projection_dims
 
 ENGINE_FILE = "model.onnx"
@@ -116,8 +117,6 @@ class OnnxRuntimeBackend:
     @staticmethod
     def profile(runner: "Runner", calls: int, classify, regions: set[str]) -> dict[str, Any]:
         """ONNX Runtime's own profiler (Runner.kernel_profile); FP8 layers' nodes form the FP8 region."""
-        from quantstudy.quantization import FP8_REGION
-
         return runner.kernel_profile(calls, classify, FP8_REGION)
 
 

@@ -21,6 +21,7 @@ import tensorrt as trt
 import torch
 
 from quantstudy.backends import Shapes, batch_chunks, register
+from quantstudy.kernel_kinds import FP8_REGION
 from quantstudy.timing import gemm_calls, projection_dims
 
 PLAN_FILE = "engine.plan"
@@ -253,8 +254,6 @@ class TensorRTBackend:
     @staticmethod
     def profile(runner: "Runner", calls: int, classify, regions: set[str]) -> dict[str, Any]:
         """TensorRT's IProfiler per layer (Runner.kernel_profile); FP8 GEMM layers form the FP8 region."""
-        from quantstudy.quantization import FP8_REGION
-
         return runner.kernel_profile(calls, classify, FP8_REGION)
 
 

@@ -197,7 +197,7 @@ def stand_in_lock(path: Path, run_configs: list[str]) -> list[str]:
     commits name nothing on the hub. Returns the keys."""
     import hashlib
 
-    from quantstudy import lock
+    from quantstudy import lock, lockfile
 
     entries = {}
     for req in lock.requests_of(run_configs):
@@ -205,7 +205,7 @@ def stand_in_lock(path: Path, run_configs: list[str]) -> list[str]:
         commit = (req.requested or "") + digest[len(req.requested or ""):]
         entries[req.key] = {"type": req.repo_type, "repo": req.repo, "requested": req.requested, "commit": commit,
                             "how": "stand-in for a test"}
-    lock.write(entries, path)
+    lockfile.write(entries, path)
     return sorted(entries)
 
 

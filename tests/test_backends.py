@@ -19,7 +19,7 @@ import torch
 from quantstudy import backends, export, families, quantization
 from quantstudy.families.base import Setting
 
-from conftest import ON_GPU, backend_or_skip, observed_amax, reference_qdq, target_for, tiny_checkpoint
+from helpers import ON_GPU, backend_or_skip, observed_amax, reference_qdq, target_for, tiny_checkpoint
 
 RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
           "dequantize_dtype": "float16"}

@@ -11,12 +11,7 @@ import yaml
 
 from quantstudy import config as qc
 
-from conftest import ROOT, dry_run_with_studies
-
-
-def study_doc() -> dict:
-    return qc.deep_merge(yaml.safe_load((ROOT / "config/studies/fnet.yaml").read_text()),
-                         yaml.safe_load((ROOT / "config/tiny/fnet.yaml").read_text()))
+from helpers import ROOT, dry_run_with_studies, study_doc
 
 
 def load(doc: dict, tmp_path) -> qc.Study:
@@ -36,7 +31,7 @@ def test_cluster_configs_load_once_their_revisions_are_locked(name, tmp_path, mo
     config stops, naming each; with them in the lock it loads, every revision a full commit."""
     from quantstudy import lockfile
 
-    from conftest import stand_in_lock
+    from helpers import stand_in_lock
 
     run_doc = yaml.safe_load((ROOT / "config" / name).read_text())
     monkeypatch.setattr(lockfile, "LOCK_FILE", tmp_path / "revisions.lock.yaml")
@@ -61,7 +56,7 @@ def test_device_call_configs_load_over_the_h200_run(call, tmp_path, monkeypatch)
 
     from quantstudy import lockfile
 
-    from conftest import stand_in_lock
+    from helpers import stand_in_lock
 
     run_doc = yaml.safe_load((ROOT / "config/h200.yaml").read_text())
     layer = yaml.safe_load((ROOT / "config/realsize/calls" / call).read_text())

@@ -27,7 +27,7 @@ import torch
 from quantstudy import backends, config, export, families, quantization
 from quantstudy.families.base import Family, Setting
 
-from conftest import backend_or_skip, observed_amax, target_for
+from helpers import backend_or_skip, observed_amax, target_for
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from huggingface_hub.hf_api import GitCommitInfo, GitRefInfo, GitRefs
 from quantstudy import config as qc
 from quantstudy import lock, lockfile
 
-from conftest import ROOT, dry_run_with_studies
+from helpers import ROOT, dry_run_with_studies, study_doc
 
 HEAD = "6f5cf0a2" + "1" * 32
 OLD = "6f5cf0b7" + "2" * 32
@@ -52,8 +52,7 @@ def lock_file(tmp_path, monkeypatch):
 
 def study_with(tmp_path, revision) -> str:
     """The embedded-default FNet study with fnet-base's checkpoint at `revision` (None: no revision)."""
-    doc = qc.deep_merge(yaml.safe_load((ROOT / "config/studies/fnet.yaml").read_text()),
-                        yaml.safe_load((ROOT / "config/tiny/fnet.yaml").read_text()))
+    doc = study_doc()
     checkpoint = doc["models"]["fnet-base"]["checkpoint"]
     del doc["models"]["fnet-base"]["tiny"]  # a hub checkpoint, not a generated one
     checkpoint["repo"] = "org/model"

@@ -291,7 +291,7 @@ def test_a_device_calls_config_layer_declares_the_card_it_runs_on(bench, tmp_pat
     two --configfile: its torch target declares the H100, and a host without one stops before any build."""
     from quantstudy import lockfile
 
-    from conftest import stand_in_lock
+    from helpers import stand_in_lock
 
     if torch.cuda.is_available():
         pytest.skip("the refusal is checked on a host without a GPU")
@@ -315,7 +315,7 @@ def test_plain_gpt_neo_computes_the_project_prefill_and_decode(bench, tmp_path):
     from quantstudy import config, families, quantization
     from quantstudy.families import base
 
-    from conftest import observed_amax
+    from helpers import observed_amax
 
     fam = families.get("gpt_neo")
     arch = {**config.load_architecture("tiny-gpt-neo-125m"), "window_size": 16}
@@ -367,7 +367,7 @@ def test_plain_deformable_detr_computes_the_project_engine(bench, tmp_path):
     from quantstudy import config, families, quantization
     from quantstudy.families import base
 
-    from conftest import observed_amax
+    from helpers import observed_amax
 
     fam = families.get("deformable_detr")
     for name, data in fam.tiny_checkpoint_files(config.load_architecture("tiny-deformable-detr"), {"seed": 0}).items():

@@ -16,16 +16,19 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from quantstudy.artifacts import file_lock
 from quantstudy.compare import noise_between_jobs
 from quantstudy.kernel_kinds import FP8_GEMM_OPS, GEMM_OPS
 
+if TYPE_CHECKING:  # for annotations only: backends imports torch, and aggregate imports this module
+    from quantstudy.backends import Runner
+
 log = logging.getLogger("quantstudy")
 
 
-def time_interleaved(runners: dict[str, Any], warmup: int, rounds: int, calls: int,
+def time_interleaved(runners: dict[str, Runner], warmup: int, rounds: int, calls: int,
                      progress: Callable[[str], None] | None = None, min_round_ms: float = 0.0) -> dict[str, dict[str, Any]]:
     """Per runner: raw per-round ms per call, median, min, max and relative spread, and the calls each
     round made. `min_round_ms` (pyperf's calibration): where one call is shorter, each round makes as many
@@ -61,7 +64,7 @@ def time_interleaved(runners: dict[str, Any], warmup: int, rounds: int, calls: i
     return {n: {**summarize(s), "calls_per_round": calls} for n, s in samples.items()}
 
 
-def _one_call_ms(runner: Any) -> float:
+def _one_call_ms(runner: Runner) -> float:
     runner.synchronize()
     start = time.perf_counter()
     runner.replay()
@@ -223,7 +226,7 @@ def gpu_turn(lock: Path, shared: bool = False, what: str = "GPU"):
         del _TURNS_HELD[lock]
 
 
-def _on_cuda(runner: Any) -> bool:
+def _on_cuda(runner: Runner) -> bool:
     device = getattr(runner, "device", None)
     return getattr(device, "type", device) == "cuda"
 
@@ -235,7 +238,7 @@ def _op_info(op: Any) -> dict[str, Any] | None:
             "dtypes": [str(d) for d in (getattr(op, "input_dtypes", None) or [])]}  # dtypes: torch 2.13+
 
 
-def _profiled(runner: Any, calls: int):
+def _profiled(runner: Runner, calls: int):
     """Profile `calls` calls of the runner; yield (device, name, ms per call, op) for every CUDA
     kernel (op: the CPU op that launched it) or CPU op (op: the op itself)."""
     import torch
@@ -296,7 +299,7 @@ def _region(op: Any, regions: set[str]) -> str | None:
 CPU_SESSIONS = 1
 
 
-def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
+def kernel_profile(runner: Runner, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
     """The profile of `calls` calls (one session on a GPU; on a CPU the session of median total among
     CPU_SESSIONS, as the timing keeps its median round), with every session's total. `runner`: a torch
     runner (torch_backend.Runner), whose `profile_call()` runs one forward for the profiler."""
@@ -307,7 +310,7 @@ def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], region
     return {**kept, "sessions_total_ms": [p["total_ms"] for p in profiles]}
 
 
-def _profile_session(runner: Any, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
+def _profile_session(runner: Runner, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
     """Self time per kernel group (ms per call) and how many ops or kernels ran in it per call,
     with the top kernels (ms and launches or ops per call).
 
@@ -374,7 +377,7 @@ def _outermost_gemm(op: Any) -> Any:
     return found
 
 
-def fp8_proof(runner: Any, calls: int = 3) -> dict[str, Any]:
+def fp8_proof(runner: Runner, calls: int = 3) -> dict[str, Any]:
     """What runs the runner's FP8 layers: the GEMM path, and on a GPU the kernels that FP8 GEMM ops
     (torch._scaled_mm on float8_e4m3fn inputs) launched in a short profile of the forward."""
     layers = list(runner.fp8_gemm or [])

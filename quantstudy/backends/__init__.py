@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from quantstudy import registry
+from quantstudy.config import Target
 
 Inputs = dict[str, torch.Tensor]
 
@@ -86,11 +88,11 @@ class Backend(Protocol):
     name: str
     builds_from: Literal["module", "onnx"]
 
-    def builder_options(self, target: Any) -> dict[str, Any]: ...
+    def builder_options(self, target: Target) -> dict[str, Any]: ...
 
-    def build(self, source: Any, out_dir: Path, target: Any, shapes: Shapes) -> dict[str, Any]: ...
+    def build(self, source: nn.Module | Path, out_dir: Path, target: Target, shapes: Shapes) -> dict[str, Any]: ...
 
-    def open(self, out_dir: Path, example: Inputs, target: Any, skeleton: Any = None) -> Runner: ...
+    def open(self, out_dir: Path, example: Inputs, target: Target, skeleton: nn.Module | None = None) -> Runner: ...
 
     def profile(self, runner: Runner, calls: int, classify: Classify, regions: set[str]) -> dict[str, Any]: ...
 

@@ -40,6 +40,7 @@ from torch import nn
 from quantstudy import paths
 from quantstudy.artifacts import atomic_write
 from quantstudy.backends import Inputs, Shapes, batch_chunks, register
+from quantstudy.config import Target
 
 ENGINE_FILE = "engine.safetensors"
 COMPILED_FILE = "compiled.bin"  # inductor's cache artifacts of the engine at its built shapes
@@ -221,7 +222,7 @@ class TorchBackend:
     builds_from = "module"
 
     @staticmethod
-    def builder_options(target) -> dict[str, Any]:
+    def builder_options(target: Target) -> dict[str, Any]:
         """How this target runs a variant module: device, torch.compile, CUDA graph, and the FP8 GEMM path."""
         from quantstudy.quantization import fp8_gemm_supported
 
@@ -236,7 +237,7 @@ class TorchBackend:
                 "cuda_graph": cuda, "fp8_path": fp8,
                 **({"cudnn_deterministic": bool(torch.backends.cudnn.deterministic)} if cuda else {})}
 
-    def build(self, model: nn.Module, out_dir: str | Path, target, shapes: Shapes) -> dict[str, Any]:
+    def build(self, model: nn.Module, out_dir: str | Path, target: Target, shapes: Shapes) -> dict[str, Any]:
         """Save the weights; on a compiling target, compile the engine as `open` will run it, at every
         example's shape (CUDA-graph capture included), and save what was compiled."""
         out_dir = Path(out_dir)
@@ -268,7 +269,7 @@ class TorchBackend:
                 "compiled_artifacts": held, "compile_seconds": seconds}
 
     @staticmethod
-    def open(out_dir: str | Path, example: Inputs, target, skeleton: nn.Module | None = None) -> "Runner":
+    def open(out_dir: str | Path, example: Inputs, target: Target, skeleton: nn.Module | None = None) -> "Runner":
         """The engine in `out_dir` as a runner at the example inputs' shape (the skeleton gives its
         structure). On a compiling target the program comes from the build's compiled file: nothing is
         compiled here, and a graph the file does not hold raises NotBuilt."""

@@ -227,8 +227,7 @@ def gpu_turn(lock: Path, shared: bool = False, what: str = "GPU"):
 
 
 def _on_cuda(runner: Runner) -> bool:
-    device = getattr(runner, "device", None)
-    return getattr(device, "type", device) == "cuda"
+    return runner.device.type == "cuda"
 
 
 def _op_info(op: Any) -> dict[str, Any] | None:
@@ -302,7 +301,7 @@ CPU_SESSIONS = 1
 def kernel_profile(runner: Runner, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
     """The profile of `calls` calls (one session on a GPU; on a CPU the session of median total among
     CPU_SESSIONS, as the timing keeps its median round), with every session's total. `runner`: a torch
-    runner (torch_backend.Runner), whose `profile_call()` runs one forward for the profiler."""
+    runner (torch_backend.Runner), whose `profile_call()` runs one forward op by op for the profiler."""
     sessions = 1 if _on_cuda(runner) else CPU_SESSIONS
     profiles = sorted((_profile_session(runner, calls, classify, regions) for _ in range(sessions)),
                       key=lambda p: p["total_ms"])

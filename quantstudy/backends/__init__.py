@@ -46,7 +46,9 @@ class Runner(Protocol):
     """An opened engine: `runner({input: tensor}) -> {output: tensor}`. A call with more rows than the
     engine's batch runs in chunks of that batch (the last one padded); a shape the engine was not built
     for is an error. `replay()` runs one call on the example inputs it was opened with (no data
-    transfer); `synchronize()` waits for the device."""
+    transfer), as timing does; `profile_call()` one call for a profiler, kernel by kernel where replay
+    runs a captured graph, so that each kernel is seen with the op that launched it (timing.fp8_proof
+    and timing.kernel_profile); `synchronize()` waits for the device (`device`: where it runs)."""
 
     device: torch.device
     # What the runner knows of its FP8 layers: their names, and those that run real FP8 GEMMs
@@ -63,6 +65,8 @@ class Runner(Protocol):
     def __call__(self, inputs: Inputs) -> Inputs: ...
 
     def replay(self) -> None: ...
+
+    def profile_call(self) -> None: ...
 
     def synchronize(self) -> None: ...
 

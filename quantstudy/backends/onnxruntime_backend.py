@@ -175,6 +175,11 @@ class Runner:
         """One timed call on the bound example inputs."""
         self.session.run_with_iobinding(self._binding)
 
+    def profile_call(self) -> None:
+        """One call for a profiler: the bound example inputs, as replay runs them (a session captures no
+        graph whose kernels a profiler would not see one by one)."""
+        self.session.run_with_iobinding(self._binding)
+
     def synchronize(self) -> None:
         """CPU sessions run synchronously: nothing to wait for."""
 

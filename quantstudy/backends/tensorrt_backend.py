@@ -341,6 +341,11 @@ class Runner:
         """One timed call: graph replay on the static buffers, no data transfer."""
         self.graph.replay()
 
+    def profile_call(self) -> None:
+        """One call for a profiler: a plain enqueue on the static buffers, not the captured graph, so that
+        each kernel is launched on its own (timing.fp8_proof profiles every runner a timing job times)."""
+        self._enqueue(self.context)
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 

@@ -3,7 +3,7 @@ import sys
 
 sys.path.insert(0, workflow.basedir)  # the study package lives beside the Snakefile
 
-from quantstudy import paths
+from quantstudy import backend_traits, paths
 from quantstudy.config import calibration_sample_sets, load_run
 
 # Raises ConfigError, a readable sentence, before any job runs. A cluster job re-reads this
@@ -111,9 +111,14 @@ def amax_input(w):
     return {}
 
 
+def target_traits(w):
+    """The traits of the target's backend (what its build takes, whether its build measures)."""
+    return backend_traits.of(RUN.targets[w.target].backend)
+
+
 def export_input(w):
-    """The variant's exported ONNX, for targets whose backend builds from ONNX (onnxruntime, tensorrt)."""
-    if RUN.targets[w.target].backend == "torch":
+    """The variant's exported ONNX, for targets whose backend builds from ONNX."""
+    if target_traits(w).builds_from != "onnx":
         return {}
     return {"export": paths.EXPORT.format(**dict(w.items()))}
 
@@ -177,9 +182,9 @@ def measurement_slot(w):
 
 
 def build_measures_speed(w):
-    """A TensorRT build times candidate kernels (tactics) on the GPU to choose them, so it holds the
-    `speed_measurement` slot like a timing; the other backends' builds measure nothing."""
-    return int(RUN.targets[w.target].backend == "tensorrt")
+    """A build that times candidate kernels on the device to choose them (TensorRT's tactics) holds the
+    `speed_measurement` slot like a timing; other builds measure nothing."""
+    return int(target_traits(w).build_times_kernels)
 
 
 def engine_files(s, pattern):

@@ -33,7 +33,7 @@ def test_a_backend_that_lacks_profile_is_named():
     torch_backend = backends.get("torch")
 
     class NoProfile:
-        name, builds_from = "no_profile", "module"
+        name, builds_from, build_times_kernels = "no_profile", "module", False
         builder_options, build, open = torch_backend.builder_options, torch_backend.build, torch_backend.open
 
     with pytest.raises(registry.RegistryError, match=r"NoProfile does not implement the backend protocol .*: it lacks profile"):

@@ -80,6 +80,9 @@ class Backend(Protocol):
     """What every backend declares and implements.
 
     `builds_from`: what `build` takes, the variant's module or its exported ONNX file.
+    `build_times_kernels`: whether `build` times candidate kernels on the device (TensorRT's tactics),
+    so that the build job takes the device alone. Both are traits the rules read before importing a
+    backend (quantstudy.backend_traits, which must say the same).
     `builder_options(target)`: how this target builds and runs engines (recorded in measurements.json).
     `build(source, out_dir, target, shapes)`: the engine files in `out_dir`; returns the build record
     of its graph (`engine`: the file every job opens, `engine_bytes`, and what the backend knows).
@@ -91,6 +94,7 @@ class Backend(Protocol):
 
     name: str
     builds_from: Literal["module", "onnx"]
+    build_times_kernels: bool
 
     def builder_options(self, target: Target) -> dict[str, Any]: ...
 

@@ -86,6 +86,7 @@ class OnnxRuntimeBackend:
 
     name = "onnxruntime"
     builds_from = "onnx"
+    build_times_kernels = False
 
     @staticmethod
     def builder_options(target: Target) -> dict[str, Any]:

@@ -245,6 +245,7 @@ class TensorRTBackend:
 
     name = "tensorrt"
     builds_from = "onnx"
+    build_times_kernels = True  # tactic selection times candidate kernels on the GPU
     builder_options = staticmethod(builder_options)
     build = staticmethod(build)
 

@@ -220,6 +220,7 @@ class TorchBackend:
 
     name = "torch"
     builds_from = "module"
+    build_times_kernels = False  # a compiling build's autotuning runs in a shared device turn (Runner), as GPU work
 
     @staticmethod
     def builder_options(target: Target) -> dict[str, Any]:

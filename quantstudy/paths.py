@@ -3,8 +3,9 @@
 Each pattern is a path under results/ with Snakemake's wildcards ({study}, {model}, {setting},
 {target}, {variant}, {samples}, {repeat}): a rule names it as its output or input as it is, and
 code fills it in with `.format(...)`. Nothing else in the package, the rules or the benchmarks
-writes an artifact's file name; what finds a file beside another (a build's measurements record,
-a study's README beside its tables) asks `beside` or `in_folder` with the pattern.
+spells where an artifact lives; what finds a file beside another (a build's measurements record,
+a study's README beside its tables) asks `beside` or `in_folder` with the pattern. The files inside
+one graph's folder (graph_dir: its ONNX, its engine) are named by export and by its backend.
 
 This module imports nothing of the package: the rules, the steps, config, the audit and the
 comparison harness all import it.

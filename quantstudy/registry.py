@@ -8,8 +8,8 @@ that lacks a member of the protocol: both are named, with the module, when the m
 not when a job first calls the missing member.
 
 A module whose own libraries do not import here (TensorRT on a machine without it) is remembered
-with the reason: `get` raises ImportError with it, and `names` still lists the module
-(`declared`), so that a config naming it gets a clear error.
+with the reason: `get` raises ImportError with it, and `names` and `declared` still list it, so
+that a config naming it gets a clear error.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from quantstudy import paths
 from quantstudy.devtools import copy_checkout, snakemake
 from quantstudy.timing import timing_noise
 
@@ -27,7 +28,7 @@ GOAL = 1.25
 def baseline_medians(results: Path) -> dict[tuple, list[float]]:
     """(study, target, model, setting, graph, baseline) -> the baseline's median ms in each job that timed it."""
     groups: dict[tuple, list[float]] = {}
-    for path in sorted(results.glob("*/*/*/*/*/timing*.json")):
+    for path in paths.glob(results, paths.TIMING):
         doc = json.loads(path.read_text())
         if doc.get("status") != "ok":
             continue
@@ -53,7 +54,7 @@ def report(results: Path) -> float:
               + (" **over the goal**" if ratio > GOAL else "") + " |")
     print(f"\nworst max / min: {worst:.2f} (goal: at most {GOAL})")
     for study in sorted({k[0] for k in groups}):
-        docs = [json.loads(p.read_text()) for p in sorted((results / study).glob("*/*/*/*/timing*.json"))]
+        docs = [json.loads(p.read_text()) for p in paths.glob(results, paths.TIMING, study=study)]
         noise = timing_noise(docs)
         print(f"{study}: spread between jobs (sd of log), ms {noise['ms']:.3f} ({noise['ms_dof']} dof), "
               f"x {noise['x']:.3f} (from {noise['x_from']}, {noise['x_dof']} dof)")

@@ -20,7 +20,7 @@ import random
 import tempfile
 from pathlib import Path
 
-from quantstudy import reproduce
+from quantstudy import paths, reproduce
 from quantstudy.artifacts import read_json
 from quantstudy.devtools import copy_checkout, forge_faster, snakemake
 
@@ -48,13 +48,14 @@ def run(repo: Path, jobs: int, seed: int, tmp: Path) -> None:
     import os
 
     os.chdir(repo)  # reproduce works from the checkout's root, as the audit command does
-    studies = sorted(p.parent.name for p in Path("results").glob("*/tables.json"))
-    pool = [(s, t) for s in studies for t in reproduce.candidates(Path("results") / s)["time"]]
+    studies = [p.parent.name for p in paths.glob(paths.RESULTS, paths.TABLES)]
+    pool = [(s, t) for s in studies for t in reproduce.candidates(Path(paths.STUDY_DIR.format(study=s)))["time"]]
     chosen = random.Random(seed).sample(pool, min(jobs, len(pool)))
     honest, caught, claimed, at_claim = 0, {f: 0 for f in FACTORS}, [], 0
     for study in sorted({s for s, _ in chosen}):
-        paths = [t for s, t in chosen if s == study]
-        report = reproduce.reproduce(Path("results") / study, "config/config.yaml", paths, tmp / f"scratch-{study}")
+        jobs_of_study = [t for s, t in chosen if s == study]
+        study_dir = Path(paths.STUDY_DIR.format(study=study))
+        report = reproduce.reproduce(study_dir, "config/config.yaml", jobs_of_study, tmp / f"scratch-{study}")
         noise, min_effect = report["timing_noise"], report["min_effect"]
         for job in report["jobs"]:
             honest += job["ok"]

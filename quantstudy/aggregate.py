@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 import pandas as pd
 
-from quantstudy import bound, compare, timing
+from quantstudy import bound, compare, paths, timing
 from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, sha256_file, write_json
 from quantstudy.config import PUBLISHED_KEYS, UNIT_SCALE, calibration_sample_sets, load_published, shape_of
 from quantstudy.families.base import measured_against
@@ -56,12 +56,6 @@ def exception_text(error: str) -> str | None:
     return text or None
 
 
-def _variant_ident(path: str) -> dict[str, str]:
-    """What the layout says of a per-variant artifact (results/<study>/<target>/<model>/<setting>/<variant>/x.json),
-    for a file too damaged to say it itself."""
-    return dict(zip(("target", "model", "setting", "variant"), Path(path).parts[-5:-1]))
-
-
 def _note_damaged(e: DamagedArtifact, kind: str, damaged: list[dict[str, str]]) -> None:
     log.error("%s", e)
     damaged.append({"source": e.path, "kind": kind, "error": str(e)})
@@ -88,7 +82,7 @@ def _rows(paths: list[str], kind: str, flatten_doc: Callable[[dict], Iterable[di
             doc = read_json(path, kind)
         except DamagedArtifact as e:
             _note_damaged(e, kind, damaged)
-            rows.append({**_variant_ident(path), "status": "damaged", "error": e.problem, "source": path})
+            rows.append({**paths.variant_of(path), "status": "damaged", "error": e.problem, "source": path})
             continue
         base = {k: doc.get(k) for k in IDENT} | {"error": _error(doc), "source": path}
         if doc.get("status", "ok") == "ok":
@@ -662,7 +656,7 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
             gemms[(doc["target"], doc["model"], doc["setting"])] = (path, doc)
         except DamagedArtifact as e:
             _note_damaged(e, "gemm", damaged)
-            gemms[tuple(Path(path).parts[-4:-1])] = (path, None)
+            gemms[paths.setting_of(path)] = (path, None)
     threshold = (study.get("bound") or {}).get("at_limit", bound.AT_LIMIT)
     if len(kernels):
         kernels = _with_timed(kernels, speed, baselines, study["candidate"])

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from quantstudy import artifacts
+from quantstudy import artifacts, paths
 from quantstudy.artifacts import DIGEST, DamagedArtifact, now, provenance, read_json, sha256_file, sha256_path, write_json
 
 log = logging.getLogger("quantstudy")
@@ -393,14 +393,14 @@ def main(argv: list[str] | None = None) -> int:
         except config.ConfigError as e:
             print(e, file=sys.stderr)
             return 1
-        problems = findings(study / "tables.json", study / "README.md", run.aggregate_arguments(study.name),
+        problems = findings(paths.in_folder(study, paths.TABLES), paths.in_folder(study, paths.README), run.aggregate_arguments(study.name),
                             args.configfile)[1]["problems"]
         print("\n".join(problems) if problems else f"{study}: the README and every file behind it check out")
         return 1 if problems else 0
     if args.number is None:
         steps = walk(args.source)
     else:
-        tables_json = Path(args.source).parent / "tables.json"
+        tables_json = paths.beside(args.source, paths.TABLES)
         if args.number not in Path(args.source).read_text():
             print(f"{args.source} does not show {args.number!r}", file=sys.stderr)
             return 1

@@ -20,6 +20,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from quantstudy import lockfile, paths
 from quantstudy.artifacts import atomic_write
 from quantstudy.families.base import QualityColumns, Setting
 
@@ -30,9 +31,6 @@ ARCHITECTURES = ROOT / "config" / "architectures"
 SETTING_KEYS = ("batch", "quality", "engine")
 # One empty file per study config that passed the checks against the code (see _code_check_key).
 CODE_CHECKS = ROOT / ".snakemake" / "quantstudy" / "checked-against-code"
-# Where the workflow keeps a setting's and a variant's files, under results/, logs/ and benchmarks/.
-SETTING_KEY = "{study}/{target}/{model}/{setting}"
-VARIANT_KEY = f"{SETTING_KEY}/{{variant}}"
 
 # The keys of a published number's row in tables.json, and what a column's value is multiplied by to
 # be in the units the write-up prints (a fraction as %, bytes as MiB).
@@ -247,11 +245,10 @@ class Study:
         return _engine_of(self.raw["settings"], setting)
 
     def build_json(self, target: str, model: str, setting: str, variant: str) -> str:
-        """The build.json of the engine a variant is timed and evaluated on at `setting`: built at that
-        setting, or at the one whose dynamic-shape engine serves it (`engine:`)."""
-        keys = {"study": self.name, "target": target, "model": model, "setting": self.engine_setting(setting),
-                "variant": variant}
-        return f"results/{VARIANT_KEY.format(**keys)}/build.json"
+        """The build record (paths.BUILD) of the engine a variant is timed and evaluated on at `setting`:
+        built at that setting, or at the one whose dynamic-shape engine serves it (`engine:`)."""
+        return paths.BUILD.format(study=self.name, target=target, model=model, setting=self.engine_setting(setting),
+                                  variant=variant)
 
     def served_settings(self, target: str, model: str, setting: str, variant: str) -> list[str]:
         """The settings whose jobs open the engine built at `setting`: itself first, then those whose
@@ -382,7 +379,7 @@ def main_quality_condition(decision: dict[str, Any]) -> dict[str, Any] | None:
     return next((c for c in decision["conditions"] if c["table"] == "quality" and c["reduce"] in ("min", "max")), None)
 
 
-def _path(p: str | Path) -> Path:
+def workflow_path(p: str | Path) -> Path:
     """Config paths are relative to the workflow's root, wherever Snakemake runs."""
     p = Path(p)
     return p if p.is_absolute() else ROOT / p
@@ -415,7 +412,7 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
     if study.published:
         # Against the spec as well as this run's doc: a tiny run's overrides may leave out a model
         # the write-up measured, whose numbers are then listed as not reproduced here.
-        problems = _published_problems(load_published(study.published), [_load_yaml(_path(spec_path)), doc],
+        problems = _published_problems(load_published(study.published), [_load_yaml(workflow_path(spec_path)), doc],
                                        study.name)
         if problems:
             raise ConfigError(f"invalid published numbers ({study.published}, study {where}):\n"
@@ -430,40 +427,23 @@ def _override_list(overrides: str | Path | list[str] | None) -> list:
 
 def merged_study_doc(spec_path: str | Path, overrides: str | list[str] | None = None) -> dict[str, Any]:
     """A study spec with its override files deep-merged over it in order (not yet validated)."""
-    doc = _load_yaml(_path(spec_path))
+    doc = _load_yaml(workflow_path(spec_path))
     for o in _override_list(overrides):
-        doc = deep_merge(doc, _load_yaml(_path(o)) or {})
+        doc = deep_merge(doc, _load_yaml(workflow_path(o)) or {})
     return doc
-
-
-def _pinned(doc: dict[str, Any]):
-    """(repo type, the entry that names a repo and revision) of each checkpoint and dataset."""
-    for m in (doc.get("models") or {}).values():
-        yield "model", m["checkpoint"]
-    for d in (doc.get("datasets") or {}).values():
-        yield "dataset", d
-
-
-def lock_requests(doc: dict[str, Any]) -> list:
-    """The revisions of a study doc that are not full commits (short or none): the lock step's work."""
-    from quantstudy import lock
-
-    return [r for kind, e in _pinned(doc) if (r := lock.request(kind, e["repo"], e.get("revision")))]
 
 
 def _locked(doc: dict[str, Any], where: str) -> dict[str, Any]:
     """The doc with every short or missing revision replaced by its commit in the lock file; an
     unresolved one stops the run here, before any job, with the command that resolves it."""
-    from quantstudy import lock
-
-    doc, entries, unresolved = copy.deepcopy(doc), lock.read(), []
-    for kind, entry in _pinned(doc):
-        req = lock.request(kind, entry["repo"], entry.get("revision"))
+    doc, entries, unresolved = copy.deepcopy(doc), lockfile.read(), []
+    for kind, entry in lockfile.pinned(doc):
+        req = lockfile.request(kind, entry["repo"], entry.get("revision"))
         if req is None:
             continue
         try:
-            commit = lock.locked_commit(req, entries)
-        except lock.LockError as e:
+            commit = lockfile.locked_commit(req, entries)
+        except lockfile.LockError as e:
             raise ConfigError(f"invalid study ({where}): {e}") from None
         if commit is None:
             unresolved.append(req)
@@ -471,9 +451,9 @@ def _locked(doc: dict[str, Any], where: str) -> dict[str, Any]:
             entry["revision"] = commit
     if unresolved:
         raise ConfigError(
-            f"unresolved revisions ({where}), not in {lock.shown(lock.LOCK_FILE)}:\n"
+            f"unresolved revisions ({where}), not in {lockfile.shown(lockfile.LOCK_FILE)}:\n"
             + "\n".join(f"  {r.describe()}" for r in unresolved)
-            + f"\nOn a machine that reaches the hub, run `{lock.command([str(p) for p in where.split(' + ')])}` "
+            + f"\nOn a machine that reaches the hub, run `{lockfile.command([str(p) for p in where.split(' + ')])}` "
             "and commit the lock file; a short hash is never used as a revision.")
     return doc
 
@@ -652,7 +632,7 @@ def load_published(path: str | Path) -> dict[str, Any]:
     """A published-numbers file (config/published/<study>.yaml), validated, each seed table's cells
     flattened into one entry: what it is, the keys of its row in tables.json, its value as printed and
     as a range {min, max}, units, tolerance and source (seed, section, table title, row, column)."""
-    doc = _load_yaml(_path(path))
+    doc = _load_yaml(workflow_path(path))
     _validate(doc, "published.schema.yaml", str(path))
     entries, problems = [], []
     for t in doc["tables"]:
@@ -695,7 +675,7 @@ def _published_problems(published: dict[str, Any], docs: list[dict[str, Any]], s
         return [f"the file is about study {published['study']!r}, not {study!r}"]
     problems, targets = [], []
     for run_path in published["runs"]:
-        run = _load_yaml(_path(run_path))
+        run = _load_yaml(workflow_path(run_path))
         entry = (run.get("studies") or {}).get(study)
         if entry is None:
             problems.append(f"runs names {run_path}, which does not run study {study!r}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quantstudy import compare, config
+from quantstudy import compare, config, paths
 from quantstudy.timing import timing_noise
 
 KEY = ("target", "model", "setting", "variant")
@@ -42,7 +42,7 @@ class Run:
     @classmethod
     def load(cls, folder: str | Path) -> Run:
         folder = Path(folder)
-        tables = {p.parent.name: json.loads(p.read_text()) for p in sorted(folder.glob("*/tables.json"))}
+        tables = {p.parent.name: json.loads(p.read_text()) for p in paths.glob(folder, paths.TABLES)}
         if not tables:
             raise SystemExit(f"{folder} holds no <study>/tables.json: give a run's results folder")
         return cls(folder, tables)

@@ -149,7 +149,7 @@ def _engines(shapes: list[tuple[dict[str, Any], int, str]], precision: str, targ
     return runners
 
 
-def _profile(backend, runner) -> dict[str, Any]:
+def _profile(backend: backends.Backend, runner: backends.Runner) -> dict[str, Any]:
     """The backend's profile of PROFILED_CALLS calls of a stack, every op or kernel its own group."""
     return backend.profile(runner, PROFILED_CALLS, lambda region, name, device, op: name, {quantization.FP8_REGION})
 

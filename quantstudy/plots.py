@@ -31,7 +31,8 @@ from typing import Any
 from quantstudy.artifacts import atomic_write, read_json
 from quantstudy.config import main_quality_condition
 from quantstudy.families.base import measured_against
-from quantstudy.render import PLOT, by_graph, condition_units, setting_words
+from quantstudy import paths
+from quantstudy.render import by_graph, condition_units, setting_words
 
 log = logging.getLogger("quantstudy")
 
@@ -335,7 +336,7 @@ def main() -> None:
     parser.add_argument("tables", help="results/<study>/tables.json")
     parser.add_argument("--out", help="the PNG to write (default: speed_quality.png beside tables.json)")
     args = parser.parse_args()
-    plot_file(args.tables, args.out or Path(args.tables).with_name(PLOT))
+    plot_file(args.tables, args.out or paths.beside(args.tables, paths.PLOT))
 
 
 if __name__ == "__main__":

@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from quantstudy.kernel_kinds import FP8_REGION  # the region an FP8 layer runs in, as profiles read it
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8 = torch.float8_e4m3fn
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
-FP8_REGION = "quantstudy.fp8_gemm"  # profiler region of an FP8 layer (quantize + GEMM)
 TRANSFORMS = {"fp8", "fp32_dequantize", "widen_scales", "microscaling"}  # generic; families add their own
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,6 @@ from typing import Any
 
 from quantstudy.artifacts import provenance, sha256_file, write_json
 
-FILE = "measurements.json"  # beside the variant's build.json
 NONE = "none"
 NOT_EXPORTED = "not exported"
 # safetensors header dtypes -> torch names

@@ -22,13 +22,13 @@ from typing import Any
 
 import jinja2
 
-from quantstudy import bound
+from quantstudy import bound, paths
 from quantstudy.artifacts import atomic_write, read_json
 from quantstudy.compare import VERDICT_LEVEL
 from quantstudy.config import main_quality_condition, shape_of
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
-PLOT = "speed_quality.png"  # beside the README: the plot rule writes it, the section links it
+PLOT = paths.name_of(paths.PLOT)  # beside the README: the plot rule writes it, the section links it
 
 
 def begin_marker(study: str) -> str:
@@ -548,7 +548,7 @@ def main() -> None:
     parser.add_argument("--out", help="where to write the section (default: beside tables.json)")
     parser.add_argument("--into", help="an existing README to splice the section into, between markers")
     args = parser.parse_args()
-    render_file(args.tables, args.out or Path(args.tables).with_name("README.md"), args.into)
+    render_file(args.tables, args.out or paths.beside(args.tables, paths.README), args.into)
 
 
 if __name__ == "__main__":

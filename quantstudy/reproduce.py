@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from quantstudy import compare, devtools
+from quantstudy import compare, devtools, paths
 from quantstudy.timing import timing_noise
 from quantstudy.artifacts import DamagedArtifact, gpu_name, leaves, now, provenance, read_json, write_json
 
@@ -107,7 +107,7 @@ def _device_allows(doc: dict[str, Any]) -> str | None:
 
 def candidates(study_dir: Path) -> dict[str, list[str]]:
     """The study's finished measurement JSONs by rule ({'evaluate': [...], 'time': [...]}), from tables.json."""
-    tables = read_json(study_dir / "tables.json", "tables")
+    tables = read_json(paths.in_folder(study_dir, paths.TABLES), "tables")
     found: dict[str, list[str]] = {"evaluate": [], "time": []}
     for table, rule in (("quality", "evaluate"), ("speed", "time")):
         for row in tables[table]:
@@ -143,7 +143,8 @@ def scratch_copy(study: str, scratch: Path) -> Path:
                 shutil.copytree(entry, scratch / entry.name, symlinks=True)
             else:
                 shutil.copy2(entry, scratch / entry.name)
-    shutil.copytree(root / "results" / study, scratch / "results" / study, copy_function=os.link, dirs_exist_ok=True)
+    study_dir = paths.STUDY_DIR.format(study=study)
+    shutil.copytree(root / study_dir, scratch / study_dir, copy_function=os.link, dirs_exist_ok=True)
     if (root / ".snakemake/metadata").is_dir():
         shutil.copytree(root / ".snakemake/metadata", scratch / ".snakemake/metadata")
     (scratch / "resources").mkdir(exist_ok=True)
@@ -209,7 +210,7 @@ def reproduce(study_dir: str | Path, configfile: str, jobs: list[str], scratch: 
         report["jobs"].append(job)
     report["ok"] = bool(report["jobs"]) and all(j["ok"] for j in report["jobs"])
     report["provenance"] = provenance("reproduce", {p: p for p in recorded}, {"configfile": configfile}, started)
-    write_json(out or scratch / "reproduce.json", "reproduce", report)
+    write_json(out or scratch / paths.REPRODUCE, "reproduce", report)
     return report
 
 

@@ -15,12 +15,15 @@ import math
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from quantstudy import artifacts, hub
+from quantstudy import artifacts, hub, paths
 from quantstudy.artifacts import now, provenance, read_json, sha256_path, write_json
 from quantstudy.config import Target, on_its_card
 from quantstudy.timing import measures_speed
+
+if TYPE_CHECKING:  # for annotations only: a step imports backends (and torch) when it runs
+    from quantstudy.backends import Runner
 
 log = logging.getLogger("quantstudy")
 
@@ -375,7 +378,7 @@ def export(ident: dict[str, Any], family: str, setting: dict[str, Any], architec
         fam, st, ckpt = _family(family), _setting(setting), _snapshot(checkpoint_json)
         specs, graphs, summary = fam.graphs(st, architecture), {}, {}
         for name, (model, summary) in _variant_modules(family, ckpt, st, spec, recipe, amax_doc, specs).items():
-            info = qe.export(model, example_inputs(family, ckpt, name, st, spec["precision"]), Path(out).parent / name,
+            info = qe.export(model, example_inputs(family, ckpt, name, st, spec["precision"]), paths.graph_dir(out, name),
                              opset or qe.OPSET, _dynamic(specs[name]))
             if sorted(info["fp8_layers"]) != summary["fp8_layers"]:
                 raise RuntimeError(f"the {name} ONNX has Q/DQ for {info['fp8_layers']}, the variant's FP8 layers "
@@ -402,7 +405,7 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
     from quantstudy import backends, record
 
     started = now()
-    out_measurements = str(Path(out).with_name(record.FILE))
+    out_measurements = str(paths.beside(out, paths.MEASUREMENTS))
     inputs = {"checkpoint": checkpoint_json, **({"amax": amax_json} if amax_json else {}),
               **({"export": export_json} if export_json else {})}
     params = {"spec": spec, "recipe": recipe, "target": target, "setting": setting, "serves": serves}
@@ -427,12 +430,12 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
                                    f"{exported['error']}")
             summary = {k: v for k, v in exported.items() if k not in _EXPORT_KEYS}
             for name, g in exported["graphs"].items():
-                engines[name] = backend.build(g["onnx"], Path(out).parent / name, tgt, shapes(name))
+                engines[name] = backend.build(g["onnx"], paths.graph_dir(out, name), tgt, shapes(name))
         else:
             modules = _variant_modules(family, ckpt, st, spec, recipe, amax_doc, graphs)
             made["linear"] = {name: _linear_layers(model) for name, (model, _) in modules.items()}
             for name, (model, summary) in modules.items():
-                engines[name] = backend.build(model, Path(out).parent / name, tgt, shapes(name))
+                engines[name] = backend.build(model, paths.graph_dir(out, name), tgt, shapes(name))
         for engine in engines.values():  # what every job that opens it checks, and the audit
             engine["engine_sha256"] = artifacts.sha256_file(engine["engine"])
             if "compiled" in engine:
@@ -472,7 +475,7 @@ _ENGINE_FILES = {"engine": "engine_sha256", "compiled": "compiled_sha256"}
 
 
 def open_engines(family: str, build_doc: dict[str, Any], recipe: dict, checkpoint_json: str, setting,
-                 target, graphs: list[str] | None = None) -> dict[str, Any]:
+                 target: Target, graphs: list[str] | None = None) -> dict[str, Runner]:
     """A built variant's engines, opened through the backend contract as runners ({graph: runner}) at
     the setting's example inputs. Each engine's files must be those the build wrote (sha256)."""
     from quantstudy import backends
@@ -492,7 +495,7 @@ def open_engines(family: str, build_doc: dict[str, Any], recipe: dict, checkpoin
             if path and artifacts.sha256_file(path) != build_doc["graphs"][g][digest]:
                 raise RuntimeError(f"{path} is not the file the build of {build_doc['variant']} made (its sha256 "
                                    f"differs from the build's); rebuild it: snakemake --forcerun build "
-                                   f"{Path(path).parent.parent / 'build.json'}")
+                                   f"{paths.build_of_engine(Path(path).parent)}")
     precision = build_doc["spec"]["precision"]
     examples = {g: example_inputs(family, ckpt, g, setting, precision) for g in names}
     for g in names:  # a torch engine runs the shapes it was built for, and no other
@@ -505,18 +508,18 @@ def open_engines(family: str, build_doc: dict[str, Any], recipe: dict, checkpoin
             for g in names}
 
 
-def _opened(runners: dict[str, Any]) -> dict[str, float]:
+def _opened(runners: dict[str, Runner]) -> dict[str, float]:
     """{graph: seconds} it took to open each engine that a job opened from a compiled program."""
     return {g: round(r.open_seconds, 3) for g, r in runners.items() if r.open_seconds is not None}
 
 
-def _redone(runners: dict[str, Any]) -> dict[str, dict[str, float]]:
+def _redone(runners: dict[str, Runner]) -> dict[str, dict[str, float]]:
     """{graph: {kind: seconds}} of the work opening each engine redid that its build should have done
     (Runner.open_redone; the audit's redone_problems)."""
     return {g: {k: round(v, 3) for k, v in r.open_redone.items()} for g, r in runners.items() if r.open_redone}
 
 
-def _probe(family: str, build_doc: dict[str, Any], checkpoint_json: str, setting, runners: dict[str, Any]
+def _probe(family: str, build_doc: dict[str, Any], checkpoint_json: str, setting, runners: dict[str, Runner]
            ) -> dict[str, Any]:
     """TEST01's probe: each graph's outputs on the setting's seeded example inputs, in brief (shape,
     non-finite count, L2 norm and 64 evenly spaced values of each output), so that the audit can
@@ -662,7 +665,7 @@ def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
     _record("gemm", "gemm", out, ident, inputs, params, measure)
 
 
-def _batched_run(runners: dict[str, Any], batch: int):
+def _batched_run(runners: dict[str, Runner], batch: int):
     """The family's view of the engines: run(inputs, what, graph, whole) -> outputs gathered on the CPU.
     Rows go to the engine `batch` at a time (`whole`: all in one call, which the engine itself runs in
     chunks of the batch it was built for); a call that names `what` logs its progress."""

@@ -16,15 +16,19 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from quantstudy.artifacts import file_lock
 from quantstudy.compare import noise_between_jobs
+from quantstudy.kernel_kinds import FP8_GEMM_OPS, GEMM_OPS
+
+if TYPE_CHECKING:  # for annotations only: backends imports torch, and aggregate imports this module
+    from quantstudy.backends import Runner
 
 log = logging.getLogger("quantstudy")
 
 
-def time_interleaved(runners: dict[str, Any], warmup: int, rounds: int, calls: int,
+def time_interleaved(runners: dict[str, Runner], warmup: int, rounds: int, calls: int,
                      progress: Callable[[str], None] | None = None, min_round_ms: float = 0.0) -> dict[str, dict[str, Any]]:
     """Per runner: raw per-round ms per call, median, min, max and relative spread, and the calls each
     round made. `min_round_ms` (pyperf's calibration): where one call is shorter, each round makes as many
@@ -60,7 +64,7 @@ def time_interleaved(runners: dict[str, Any], warmup: int, rounds: int, calls: i
     return {n: {**summarize(s), "calls_per_round": calls} for n, s in samples.items()}
 
 
-def _one_call_ms(runner: Any) -> float:
+def _one_call_ms(runner: Runner) -> float:
     runner.synchronize()
     start = time.perf_counter()
     runner.replay()
@@ -109,33 +113,6 @@ def timing_noise(timings: list[dict[str, Any]]) -> dict[str, Any]:
             "x_from": "repeats" if x_dof else "the baselines' ms"}
 
 
-GEMM_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul", "aten::linear",
-            "aten::_scaled_mm", "aten::_scaled_mm_v2"}
-FP8_GEMM_OPS = {"aten::_scaled_mm", "aten::_scaled_mm_v2"}
-
-# Pieces every family's kernel_group(region, name, device, op, setting) is made of.
-
-
-def launching_op(name: str, device: str, op: dict[str, Any] | None) -> str | None:
-    """The op a profiled event belongs to: a CPU op is its own, a GPU kernel the op that launched
-    it (None where no recognised op did, e.g. compiled or TensorRT kernels)."""
-    return op["name"] if op else (name if device == "cpu" else None)
-
-
-def in_fp8_gemm(region: str | None, op_name: str | None) -> bool:
-    """Inside an FP8 layer (eager regions), or an FP8 GEMM op (compiled code, exported graphs)."""
-    from quantstudy.quantization import FP8_REGION
-
-    return region == FP8_REGION or op_name in FP8_GEMM_OPS
-
-
-def gemm_of_activations(op: dict[str, Any] | None) -> bool:
-    """A GEMM whose two operands are both batched (rank 3 or more): attention scores or values,
-    not a projection (whose weight is rank 2)."""
-    shapes = op["shapes"] if op else []
-    return len(shapes) >= 2 and all(len(s) >= 3 for s in shapes[:2])
-
-
 def projection_dims(a: list[int], b: list[int]) -> list[int] | None:
     """[M, K, N] of a GEMM of an activation [..., K] and a rank-2 operand (a weight, [K, N] or [N, K]):
     a projection. None for any other pair (a GEMM of two activations, a missing shape)."""
@@ -151,13 +128,6 @@ def gemm_dims(op: dict[str, Any] | None) -> list[int] | None:
         return None
     shapes = op["shapes"][1:] if op["name"] in ("aten::addmm", "aten::baddbmm") else op["shapes"]  # bias first
     return projection_dims(*shapes[:2]) if len(shapes) >= 2 else None
-
-
-def group_by_name(name: str, patterns: list[tuple[str, str]], default: str = "other") -> str:
-    """The first group whose pattern the kernel's name matches (case-insensitive), else `default`."""
-    import re
-
-    return next((group for group, pattern in patterns if re.search(pattern, name, re.I)), default)
 
 
 @contextlib.contextmanager
@@ -256,9 +226,8 @@ def gpu_turn(lock: Path, shared: bool = False, what: str = "GPU"):
         del _TURNS_HELD[lock]
 
 
-def _on_cuda(runner: Any) -> bool:
-    device = getattr(runner, "device", None)
-    return getattr(device, "type", device) == "cuda"
+def _on_cuda(runner: Runner) -> bool:
+    return runner.device.type == "cuda"
 
 
 def _op_info(op: Any) -> dict[str, Any] | None:
@@ -268,7 +237,7 @@ def _op_info(op: Any) -> dict[str, Any] | None:
             "dtypes": [str(d) for d in (getattr(op, "input_dtypes", None) or [])]}  # dtypes: torch 2.13+
 
 
-def _profiled(runner: Any, calls: int):
+def _profiled(runner: Runner, calls: int):
     """Profile `calls` calls of the runner; yield (device, name, ms per call, op) for every CUDA
     kernel (op: the CPU op that launched it) or CPU op (op: the op itself)."""
     import torch
@@ -329,10 +298,10 @@ def _region(op: Any, regions: set[str]) -> str | None:
 CPU_SESSIONS = 1
 
 
-def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
+def kernel_profile(runner: Runner, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
     """The profile of `calls` calls (one session on a GPU; on a CPU the session of median total among
     CPU_SESSIONS, as the timing keeps its median round), with every session's total. `runner`: a torch
-    runner (torch_backend.Runner), whose `profile_call()` runs one forward for the profiler."""
+    runner (torch_backend.Runner), whose `profile_call()` runs one forward op by op for the profiler."""
     sessions = 1 if _on_cuda(runner) else CPU_SESSIONS
     profiles = sorted((_profile_session(runner, calls, classify, regions) for _ in range(sessions)),
                       key=lambda p: p["total_ms"])
@@ -340,7 +309,7 @@ def kernel_profile(runner: Any, calls: int, classify: Callable[..., str], region
     return {**kept, "sessions_total_ms": [p["total_ms"] for p in profiles]}
 
 
-def _profile_session(runner: Any, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
+def _profile_session(runner: Runner, calls: int, classify: Callable[..., str], regions: set[str]) -> dict[str, Any]:
     """Self time per kernel group (ms per call) and how many ops or kernels ran in it per call,
     with the top kernels (ms and launches or ops per call).
 
@@ -407,7 +376,7 @@ def _outermost_gemm(op: Any) -> Any:
     return found
 
 
-def fp8_proof(runner: Any, calls: int = 3) -> dict[str, Any]:
+def fp8_proof(runner: Runner, calls: int = 3) -> dict[str, Any]:
     """What runs the runner's FP8 layers: the GEMM path, and on a GPU the kernels that FP8 GEMM ops
     (torch._scaled_mm on float8_e4m3fn inputs) launched in a short profile of the forward."""
     layers = list(runner.fp8_gemm or [])

@@ -53,7 +53,7 @@ import yaml
 
 import torch
 
-from quantstudy import artifacts, config, families, plain, quantization, steps, timing as qt
+from quantstudy import artifacts, config, families, paths, plain, quantization, steps, timing as qt
 from quantstudy.backends import torch_backend
 from quantstudy.plain import fp8 as plain_fp8
 
@@ -193,7 +193,7 @@ def measure(study: config.Study, model: str, setting: str, target: config.Target
     for v in (baseline, candidate):
         path = Path(study.build_json(target.name, model, setting, v))
         if not path.exists():
-            raise RuntimeError(f"the workflow did not make {path}: see logs/{path.parent.relative_to('results')}/")
+            raise RuntimeError(f"the workflow did not make {path}: see logs/{path.parent.relative_to(paths.RESULTS)}/")
         builds[v] = artifacts.read_json(path, "build")
         if builds[v]["status"] != "ok":
             raise RuntimeError(f"the project's build of {v} failed:\n{builds[v]['error']}")

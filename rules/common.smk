@@ -3,7 +3,8 @@ import sys
 
 sys.path.insert(0, workflow.basedir)  # the study package lives beside the Snakefile
 
-from quantstudy.config import SETTING_KEY, VARIANT_KEY, calibration_sample_sets, load_run
+from quantstudy import backend_traits, paths
+from quantstudy.config import calibration_sample_sets, load_run
 
 # Raises ConfigError, a readable sentence, before any job runs. A cluster job re-reads this
 # file twice (sbatch step, then srun step); the checks against the code import torch and cost
@@ -33,11 +34,6 @@ resource_scopes:
 
 if "speed_measurement" not in workflow.global_resources:
     workflow.register_resource("speed_measurement", 1)
-
-
-SETTING_DIR = f"results/{SETTING_KEY}"
-VARIANT_DIR = f"results/{VARIANT_KEY}"
-EXPORT_DIR = "results/{study}/{model}/{setting}/onnx/{variant}"
 
 
 def study(w):
@@ -74,15 +70,15 @@ def target_params(w):
 
 def local_hub_input(w):
     specs = study(w).local_hub_specs()
-    return {"local_hub": f"results/{w.study}/local_hub.json"} if specs["models"] or specs["datasets"] else {}
+    return {"local_hub": paths.LOCAL_HUB.format(study=w.study)} if specs["models"] or specs["datasets"] else {}
 
 
 def checkpoint_json(w):
-    return f"results/{w.study}/{w.model}/checkpoint.json"
+    return paths.CHECKPOINT.format(study=w.study, model=w.model)
 
 
 def samples_json(w, name):
-    return f"results/{w.study}/data/{name}.json"
+    return paths.SAMPLES.format(study=w.study, samples=name)
 
 
 def evaluation_samples(w):
@@ -100,11 +96,11 @@ def study_sample_lists(w):
 
 
 def first_model_checkpoint(w):
-    return f"results/{w.study}/{next(iter(study(w).models))}/checkpoint.json"
+    return paths.CHECKPOINT.format(study=w.study, model=next(iter(study(w).models)))
 
 
 def amax_json(study_name, model, setting):
-    return f"results/{study_name}/{model}/calib/{setting}/amax.json"
+    return paths.AMAX.format(study=study_name, model=model, setting=setting)
 
 
 def amax_input(w):
@@ -115,11 +111,16 @@ def amax_input(w):
     return {}
 
 
+def target_traits(w):
+    """The traits of the target's backend (what its build takes, whether its build measures)."""
+    return backend_traits.of(RUN.targets[w.target].backend)
+
+
 def export_input(w):
-    """The variant's exported ONNX, for targets whose backend builds from ONNX (onnxruntime, tensorrt)."""
-    if RUN.targets[w.target].backend == "torch":
+    """The variant's exported ONNX, for targets whose backend builds from ONNX."""
+    if target_traits(w).builds_from != "onnx":
         return {}
-    return {"export": f"{EXPORT_DIR.format(**dict(w.items()))}/export.json"}
+    return {"export": paths.EXPORT.format(**dict(w.items()))}
 
 
 # The workflow's own software (the pins of scripts/install.sh): the env of every rule but the
@@ -157,22 +158,20 @@ def baseline_build(w):
     return variant_build(w, study(w).baseline(w.setting))
 
 
-def reference_prefix(w):
-    return f"results/{w.study}/{w.model}/{w.setting}/reference"
+def reference_json(w):
+    return paths.REFERENCE.format(study=w.study, model=w.model, setting=w.setting)
+
+
+def reference_tensors(w):
+    return paths.REFERENCE_TENSORS.format(study=w.study, model=w.model, setting=w.setting)
 
 
 def variant_ident(w):
     return {"target": w.target, "model": w.model, "setting": w.setting, "variant": w.variant}
 
 
-def repeat_file(name, repeat):
-    """A variant's timing or quality file of one job (1, 2, ...): the first keeps the name a run without
-    repeats has (timing.json, then timing-r2.json, ...)."""
-    return name if repeat == 1 else name.replace(".json", f"-r{repeat}.json")
-
-
 def repeat_index(w):
-    return int(w.repeat.removeprefix("-r")) if w.repeat else 1
+    return paths.repeat_number(w.repeat)
 
 
 def measurement_slot(w):
@@ -183,22 +182,26 @@ def measurement_slot(w):
 
 
 def build_measures_speed(w):
-    """A TensorRT build times candidate kernels (tactics) on the GPU to choose them, so it holds the
-    `speed_measurement` slot like a timing; the other backends' builds measure nothing."""
-    return int(RUN.targets[w.target].backend == "tensorrt")
+    """A build that times candidate kernels on the device to choose them (TensorRT's tactics) holds the
+    `speed_measurement` slot like a timing; other builds measure nothing."""
+    return int(target_traits(w).build_times_kernels)
 
 
-def engine_files(s, name):
-    """Every per-variant artifact `name` of a study: each engine it measures (builds and their
-    measurements records: each engine it builds; timings and kernels: not those of models with
-    `timing: false`), on each of its targets; timings and qualities: each of the study's repeats."""
-    if name in ("build.json", "measurements.json"):
+def engine_files(s, pattern):
+    """Every per-variant artifact of a study (`pattern`: paths.BUILD, paths.TIMING, ...): each engine it
+    measures (builds and their measurements records: each engine it builds; timings and kernels: not
+    those of models with `timing: false`), on each of its targets; timings and qualities: each of the
+    study's repeats."""
+    if pattern in (paths.BUILD, paths.MEASUREMENTS):
         engines = s.builds(RUN.targets)
     else:
-        engines = s.engines(RUN.targets, quality_only=name == "quality.json", timed_only=name in ("timing.json", "kernels.json"))
-    repeats = {"timing.json": s.repeats, "quality.json": s.evaluation_repeats}.get(name, 1)
-    names = [repeat_file(name, r) for r in range(1, repeats + 1)]
-    return [f"results/{s.name}/{t}/{m}/{st}/{v}/{n}" for t, m, st, v in engines for n in names]
+        engines = s.engines(RUN.targets, quality_only=pattern == paths.QUALITY, timed_only=pattern in (paths.TIMING, paths.KERNELS))
+    repeats = {paths.TIMING: s.repeats, paths.QUALITY: s.evaluation_repeats}.get(pattern, 1)
+    return [
+        pattern.format(study=s.name, target=t, model=m, setting=st, variant=v, repeat=paths.repeat_suffix(r))
+        for t, m, st, v in engines
+        for r in range(1, repeats + 1)
+    ]
 
 
 def fp8_variants_timed(s, target, model, setting):
@@ -219,8 +222,8 @@ def fp8_variant_specs(w):
 def gemm_files(s):
     """gemm.json of every target, model and setting where the study times an FP8 variant."""
     keys = dict.fromkeys((t, m, st) for t, m, st, _ in s.engines(RUN.targets, timed_only=True))
-    return [f"results/{s.name}/{t}/{m}/{st}/gemm.json" for t, m, st in keys if fp8_variants_timed(s, t, m, st)]
+    return [paths.GEMM.format(study=s.name, target=t, model=m, setting=st) for t, m, st in keys if fp8_variants_timed(s, t, m, st)]
 
 
 def final_targets():
-    return [f"results/{s}/{name}" for s in RUN.studies for name in ("README.md", "audit.json")] + ["results/decisions.rst"]
+    return [p.format(study=s) for s in RUN.studies for p in (paths.README, paths.AUDIT)] + [paths.DECISIONS]

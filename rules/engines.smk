@@ -8,7 +8,7 @@ rule export:
         unpack(amax_input),
         checkpoint=checkpoint_json,
     output:
-        export=f"{EXPORT_DIR}/export.json",
+        export=paths.EXPORT,
     log:
         "logs/{study}/{model}/{setting}/onnx/{variant}/export.log",
     benchmark:
@@ -32,12 +32,12 @@ rule build:
         unpack(export_input),
         checkpoint=checkpoint_json,
     output:
-        build=f"{VARIANT_DIR}/build.json",
-        measurements=f"{VARIANT_DIR}/measurements.json",
+        build=paths.BUILD,
+        measurements=paths.MEASUREMENTS,
     log:
-        f"logs/{VARIANT_KEY}/build.log",
+        f"logs/{paths.VARIANT_KEY}/build.log",
     benchmark:
-        f"benchmarks/{VARIANT_KEY}/build.tsv"
+        f"benchmarks/{paths.VARIANT_KEY}/build.tsv"
     conda:
         target_env
     resources:
@@ -63,11 +63,11 @@ rule time:
         build=variant_build,
         baseline_build=baseline_build,
     output:
-        timing=f"{VARIANT_DIR}/timing{{repeat}}.json",
+        timing=paths.TIMING,
     log:
-        f"logs/{VARIANT_KEY}/time{{repeat}}.log",
+        f"logs/{paths.VARIANT_KEY}/time{{repeat}}.log",
     benchmark:
-        f"benchmarks/{VARIANT_KEY}/time{{repeat}}.tsv"
+        f"benchmarks/{paths.VARIANT_KEY}/time{{repeat}}.tsv"
     conda:
         target_env
     resources:
@@ -90,11 +90,11 @@ rule profile:
         checkpoint=checkpoint_json,
         build=variant_build,
     output:
-        kernels=f"{VARIANT_DIR}/kernels.json",
+        kernels=paths.KERNELS,
     log:
-        f"logs/{VARIANT_KEY}/profile.log",
+        f"logs/{paths.VARIANT_KEY}/profile.log",
     benchmark:
-        f"benchmarks/{VARIANT_KEY}/profile.tsv"
+        f"benchmarks/{paths.VARIANT_KEY}/profile.tsv"
     conda:
         target_env
     resources:
@@ -115,11 +115,11 @@ rule gemm:
         checkpoint=checkpoint_json,
         amax=lambda w: amax_json(w.study, w.model, study(w).calibration_setting(w.model, w.setting)),
     output:
-        gemm=f"{SETTING_DIR}/gemm.json",
+        gemm=paths.GEMM,
     log:
-        f"logs/{SETTING_KEY}/gemm.log",
+        f"logs/{paths.SETTING_KEY}/gemm.log",
     benchmark:
-        f"benchmarks/{SETTING_KEY}/gemm.tsv"
+        f"benchmarks/{paths.SETTING_KEY}/gemm.tsv"
     conda:
         target_env
     resources:
@@ -145,14 +145,14 @@ rule evaluate:
         unpack(against_builds),
         checkpoint=checkpoint_json,
         build=variant_build,
-        reference=lambda w: f"{reference_prefix(w)}.json",
-        reference_tensors=lambda w: f"{reference_prefix(w)}.safetensors",
+        reference=reference_json,
+        reference_tensors=reference_tensors,
     output:
-        quality=f"{VARIANT_DIR}/quality{{repeat}}.json",
+        quality=paths.QUALITY,
     log:
-        f"logs/{VARIANT_KEY}/evaluate{{repeat}}.log",
+        f"logs/{paths.VARIANT_KEY}/evaluate{{repeat}}.log",
     benchmark:
-        f"benchmarks/{VARIANT_KEY}/evaluate{{repeat}}.tsv"
+        f"benchmarks/{paths.VARIANT_KEY}/evaluate{{repeat}}.tsv"
     conda:
         target_env
     params:

@@ -3,7 +3,7 @@
 
 rule local_hub:
     output:
-        "results/{study}/local_hub.json",
+        paths.LOCAL_HUB,
     log:
         "logs/{study}/local_hub.log",
     benchmark:
@@ -24,7 +24,7 @@ rule fetch_checkpoint:
     input:
         unpack(local_hub_input),
     output:
-        "results/{study}/{model}/checkpoint.json",
+        paths.CHECKPOINT,
     log:
         "logs/{study}/{model}/fetch_checkpoint.log",
     benchmark:
@@ -46,7 +46,7 @@ rule fetch_dataset:
         unpack(local_hub_input),
         checkpoint=first_model_checkpoint,
     output:
-        "results/{study}/data/{samples}.json",
+        paths.SAMPLES,
     log:
         "logs/{study}/data/{samples}.log",
     benchmark:

@@ -6,8 +6,8 @@ rule reference:
         unpack(evaluation_samples),
         checkpoint=checkpoint_json,
     output:
-        json="results/{study}/{model}/{setting}/reference.json",
-        tensors="results/{study}/{model}/{setting}/reference.safetensors",
+        json=paths.REFERENCE,
+        tensors=paths.REFERENCE_TENSORS,
     log:
         "logs/{study}/{model}/{setting}/reference.log",
     benchmark:
@@ -31,7 +31,7 @@ rule calibrate:
         checkpoint=checkpoint_json,
         samples=calibration_samples,
     output:
-        amax="results/{study}/{model}/calib/{setting}/amax.json",
+        amax=paths.AMAX,
     log:
         "logs/{study}/{model}/calib/{setting}/calibrate.log",
     benchmark:

@@ -4,19 +4,19 @@
 
 rule aggregate:
     input:
-        builds=lambda w: engine_files(study(w), "build.json"),
-        records=lambda w: engine_files(study(w), "measurements.json"),
-        timings=lambda w: engine_files(study(w), "timing.json"),
-        kernels=lambda w: engine_files(study(w), "kernels.json"),
+        builds=lambda w: engine_files(study(w), paths.BUILD),
+        records=lambda w: engine_files(study(w), paths.MEASUREMENTS),
+        timings=lambda w: engine_files(study(w), paths.TIMING),
+        kernels=lambda w: engine_files(study(w), paths.KERNELS),
         gemms=lambda w: gemm_files(study(w)),
-        qualities=lambda w: engine_files(study(w), "quality.json"),
-        references=lambda w: [f"results/{w.study}/{m}/{s}/reference.json" for m, s in study(w).model_settings(True)],
+        qualities=lambda w: engine_files(study(w), paths.QUALITY),
+        references=lambda w: [paths.REFERENCE.format(study=w.study, model=m, setting=s) for m, s in study(w).model_settings(True)],
         amax=lambda w: [amax_json(w.study, m, s) for m in study(w).models for s in study(w).calibration_settings(m)],
-        checkpoints=lambda w: [f"results/{w.study}/{m}/checkpoint.json" for m in study(w).models],
+        checkpoints=lambda w: [paths.CHECKPOINT.format(study=w.study, model=m) for m in study(w).models],
         published=lambda w: [study(w).published] if study(w).published else [],
         samples=study_sample_lists,
     output:
-        tables=report("results/{study}/tables.json", caption="../report/tables.rst", category=study_title, subcategory="data"),
+        tables=report(paths.TABLES, caption="../report/tables.rst", category=study_title, subcategory="data"),
     log:
         "logs/{study}/aggregate.log",
     benchmark:
@@ -32,9 +32,9 @@ rule aggregate:
 
 rule plot:
     input:
-        tables="results/{study}/tables.json",
+        tables=paths.TABLES,
     output:
-        plot=report("results/{study}/speed_quality.png", caption="../report/speed_quality.rst", category=study_title, subcategory="plot"),
+        plot=report(paths.PLOT, caption="../report/speed_quality.rst", category=study_title, subcategory="plot"),
     log:
         "logs/{study}/plot.log",
     benchmark:
@@ -47,13 +47,13 @@ rule plot:
 
 rule render:
     input:
-        tables="results/{study}/tables.json",
-        plot="results/{study}/speed_quality.png",
+        tables=paths.TABLES,
+        plot=paths.PLOT,
         templates=lambda w: [f"templates/{t}" for t in ("macros.md.j2", "study.md.j2", f"{study(w).family}.md.j2")],
         docs="docs/reading-a-study.md",  # linked from every README, inlined in its page
     output:
-        readme="results/{study}/README.md",
-        page=report("results/{study}/README.html", caption="../report/readme.rst", category=study_title, subcategory="README"),
+        readme=paths.README,
+        page=report(paths.README_PAGE, caption="../report/readme.rst", category=study_title, subcategory="README"),
     log:
         "logs/{study}/render.log",
     benchmark:
@@ -66,10 +66,10 @@ rule render:
 
 rule audit:
     input:
-        tables="results/{study}/tables.json",
-        readme="results/{study}/README.md",
+        tables=paths.TABLES,
+        readme=paths.README,
     output:
-        audit=report("results/{study}/audit.json", caption="../report/audit.rst", category=study_title, subcategory="data"),
+        audit=report(paths.AUDIT, caption="../report/audit.rst", category=study_title, subcategory="data"),
     log:
         "logs/{study}/audit.log",
     benchmark:
@@ -84,9 +84,9 @@ rule audit:
 
 rule front_page:
     input:
-        tables=expand("results/{study}/tables.json", study=RUN.studies),
+        tables=expand(paths.TABLES, study=RUN.studies),
     output:
-        rst=report("results/decisions.rst", caption="../report/decisions.rst", category="Decisions"),
+        rst=report(paths.DECISIONS, caption="../report/decisions.rst", category="Decisions"),
     log:
         "logs/front_page.log",
     conda:

@@ -13,6 +13,8 @@ from quantstudy.audit import one_engine_problems, probes_differ
 from quantstudy.reproduce import compare_quality, compare_timing
 from quantstudy.timing import timing_noise
 
+from helpers import scaled
+
 
 def _probe(values):
     return {"main": {"last_hidden_state": {"shape": [1, 4], "nonfinite": 0, "l2": 1.0, "values": values}}}
@@ -86,10 +88,6 @@ QUIET = {"x": 0.02, "ms": 0.03}  # a quiet machine's spread between jobs (sd of 
 # Nine rounds of an engine at 1 ms, within +-1%, and its baseline's at 1.2 ms: x 1.2.
 VARIANT = [0.99, 1.0, 1.01, 1.0, 0.995, 1.005, 1.0, 0.99, 1.01]
 BASELINE = [1.2 * t for t in [1.0, 1.01, 0.99, 1.0, 1.0, 0.995, 1.005, 1.01, 0.99]]
-
-
-def scaled(samples, factor):
-    return [t * factor for t in samples]
 
 
 def test_an_honest_reexecution_agrees_with_its_record():
@@ -263,7 +261,7 @@ def test_a_checkpoint_whose_snapshot_is_another_commits_is_a_problem(tiny_inputs
 
     from quantstudy import artifacts
 
-    from conftest import rewritten
+    from helpers import rewritten
 
     doc = artifacts.read_json(tiny_inputs["checkpoint"], "checkpoint")
     assert len(doc["revision"]) == 40 and Path(doc["snapshot"]).name == doc["revision"]
@@ -281,7 +279,7 @@ def test_a_job_on_another_card_than_its_targets_is_a_problem():
     2026-12-05 the same config's jobs ran on an H100, which the README still called an h200."""
     import json
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     job = "results/timm_xcit/h200-torch/xcit-tiny/b1/fp8/timing.json"
     on_h200 = json.loads((ROOT / "results/h200-build-once/xcit" / job).read_text())
@@ -304,7 +302,7 @@ def test_the_audit_of_a_study_run_on_another_card_names_every_job_of_it(monkeypa
     are missing too): each of its 40 GPU jobs (8 builds with their 8 records, 8 time, 8 profile,
     4 evaluate, 4 gemm) is a problem; the H200 run's, none, and none in the H100 run whose target
     declared that card."""
-    from conftest import ROOT
+    from helpers import ROOT
 
     found = {}
     for run in ("xcit", "xcit-h100", "xcit-h100-declared"):

@@ -16,10 +16,10 @@ import dataclasses
 import pytest
 import torch
 
-from quantstudy import backends, export, families, quantization
+from quantstudy import backends, export, families, quantization, registry, timing
 from quantstudy.families.base import Setting
 
-from conftest import ON_GPU, backend_or_skip, observed_amax, reference_qdq, target_for, tiny_checkpoint
+from helpers import ON_GPU, backend_or_skip, observed_amax, reference_qdq, target_for, tiny_checkpoint
 
 RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
           "dequantize_dtype": "float16"}
@@ -277,12 +277,15 @@ def test_onnxruntime_sessions_skip_the_qdq_fusion(tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_runner_interface(backend, cases, tmp_path):
-    """replay/synchronize/device, and a call with more rows than the static batch (chunked)."""
+    """replay/profile_call/synchronize/device, and a call with more rows than the static batch (chunked)."""
     case = cases("fnet-base", "fp8")
     _, runner = _run(backend, case, tmp_path)
     assert isinstance(runner, backends.Runner)  # the declared protocol, FP8 layer attributes included
+    assert registry.missing_members(runner, backends.Runner) == []
     runner.replay()
+    runner.profile_call()
     runner.synchronize()
+    assert timing.fp8_proof(runner)["gemm"] in ("torch._scaled_mm", "fake-quant", "none")  # it profiles any runner
     assert runner.device.type == ("cuda" if backend in ON_GPU else "cpu")
     five = torch.cat([case.ids, case.ids[:1]])
     out = runner({"input_ids": five})["features"].float().cpu()

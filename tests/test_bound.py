@@ -10,7 +10,7 @@ import pytest
 
 from quantstudy import aggregate, bound
 
-from conftest import skip_without_gpu
+from helpers import skip_without_gpu
 
 
 def test_bound_formula_on_known_cases():
@@ -167,7 +167,7 @@ def test_gemm_timing_runs_what_each_backends_fp8_engine_runs(name, one_cpu_threa
     FP8 tactic; emulated (dequantize, then a wider GEMM) on the CPU backends, where g < 1 is the answer.
     Two shapes, one with two calls: each timed as a stack of its calls; per-GEMM time = the GEMM calls in
     each stack's profile / copies, the FP8 stack's quantize (and dequantize) ops left out."""
-    from conftest import backend_or_skip, target_for
+    from helpers import backend_or_skip, target_for
 
     from quantstudy import gemm
 

@@ -16,7 +16,7 @@ import pytest
 from quantstudy import artifacts, render
 from quantstudy.devtools import Browser
 
-from conftest import ROOT
+from helpers import ROOT
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(not CHROMIUM, reason="no headless Chromium (apt-get install chromium)")

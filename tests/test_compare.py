@@ -6,12 +6,10 @@ import pytest
 
 from quantstudy.compare import Estimate, compare, exact, median_of, noise_between_jobs, speedup_of, wilson
 
+from helpers import scaled
+
 # Five rounds of a steady engine: 1 ms within +-1%.
 STEADY = [0.99, 1.0, 1.01, 1.0, 0.995]
-
-
-def scaled(samples, factor):
-    return [s * factor for s in samples]
 
 
 def test_equal_samples_do_not_differ():

@@ -24,7 +24,7 @@ from quantstudy import backends, config, families, quantization, steps
 from quantstudy.backends import torch_backend
 from quantstudy.families.base import Setting
 
-from conftest import ROOT, observed_amax, skip_without_gpu
+from helpers import ROOT, observed_amax, skip_without_gpu
 
 RECIPE = {"quantize": ["fnet.encoder.layer.*.intermediate.dense", "fnet.encoder.layer.*.output.dense"],
           "dequantize_dtype": "float16"}
@@ -71,7 +71,7 @@ def _open_in_a_fresh_process(engine_dir, example_rows: int, tmp_path, opens: int
         from test_compiled_engine import RECIPE, FP8, {target} as TARGET
         from quantstudy import backends, config, families, quantization
         from quantstudy.families.base import Setting
-        from conftest import observed_amax
+        from helpers import observed_amax
         logging.basicConfig(level=logging.INFO)
         from quantstudy import steps
         steps.job_settings()

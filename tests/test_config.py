@@ -11,12 +11,7 @@ import yaml
 
 from quantstudy import config as qc
 
-from conftest import ROOT, dry_run_with_studies
-
-
-def study_doc() -> dict:
-    return qc.deep_merge(yaml.safe_load((ROOT / "config/studies/fnet.yaml").read_text()),
-                         yaml.safe_load((ROOT / "config/tiny/fnet.yaml").read_text()))
+from helpers import ROOT, dry_run_with_studies, study_doc
 
 
 def load(doc: dict, tmp_path) -> qc.Study:
@@ -34,20 +29,20 @@ def test_embedded_default_needs_no_lock():
 def test_cluster_configs_load_once_their_revisions_are_locked(name, tmp_path, monkeypatch):
     """The write-ups leave some revisions unpinned: until the lock step has resolved them a cluster
     config stops, naming each; with them in the lock it loads, every revision a full commit."""
-    from quantstudy import lock
+    from quantstudy import lockfile
 
-    from conftest import stand_in_lock
+    from helpers import stand_in_lock
 
     run_doc = yaml.safe_load((ROOT / "config" / name).read_text())
-    monkeypatch.setattr(lock, "LOCK_FILE", tmp_path / "revisions.lock.yaml")
-    keys = stand_in_lock(lock.LOCK_FILE, [f"config/{name}"])
+    monkeypatch.setattr(lockfile, "LOCK_FILE", tmp_path / "revisions.lock.yaml")
+    keys = stand_in_lock(lockfile.LOCK_FILE, [f"config/{name}"])
     run = qc.load_run(run_doc)
     assert "fnet" in run.studies
     pinned = [m.revision for s in run.studies.values() for m in s.models.values()]
     pinned += [d.revision for s in run.studies.values() for d in s.datasets.values()]
-    assert all(lock.FULL.match(r) for r in pinned)
+    assert all(lockfile.FULL.match(r) for r in pinned)
     if keys:
-        lock.write({}, lock.LOCK_FILE)
+        lockfile.write({}, lockfile.LOCK_FILE)
         with pytest.raises(qc.ConfigError, match="unresolved revisions") as e:
             qc.load_run(run_doc)
         assert "python -m quantstudy.lock" in str(e.value)
@@ -59,15 +54,15 @@ def test_device_call_configs_load_over_the_h200_run(call, tmp_path, monkeypatch)
     --configfile, gives a run that loads: a broken one would cost a device call to find out."""
     from snakemake.utils import update_config
 
-    from quantstudy import lock
+    from quantstudy import lockfile
 
-    from conftest import stand_in_lock
+    from helpers import stand_in_lock
 
     run_doc = yaml.safe_load((ROOT / "config/h200.yaml").read_text())
     layer = yaml.safe_load((ROOT / "config/realsize/calls" / call).read_text())
     update_config(run_doc, layer)
-    monkeypatch.setattr(lock, "LOCK_FILE", tmp_path / "revisions.lock.yaml")
-    stand_in_lock(lock.LOCK_FILE, ["config/h200.yaml"])
+    monkeypatch.setattr(lockfile, "LOCK_FILE", tmp_path / "revisions.lock.yaml")
+    stand_in_lock(lockfile.LOCK_FILE, ["config/h200.yaml"])
     run = qc.load_run(run_doc)
     for name in layer.get("studies", {}):
         assert run.studies[name].model_settings(timed_only=True)

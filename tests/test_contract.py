@@ -15,18 +15,21 @@ timm, decode against Transformers' cache) are in tests/test_family_<name>.py.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
-from quantstudy import backends, config, export, families, quantization
+from quantstudy import backend_traits, backends, config, export, families, quantization
 from quantstudy.families.base import Family, Setting
 
-from conftest import backend_or_skip, observed_amax, target_for
+from helpers import backend_or_skip, observed_amax, target_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +98,60 @@ def test_generic_code_names_no_family():
     found = [f"{path.relative_to(root)}: {w}" for pattern in GENERIC for path in sorted(root.glob(pattern))
              for w in sorted(words) if w.lower() in path.read_text().lower()]
     assert len(list(root.glob("rules/*.smk"))) >= 4
+    assert not found, found
+
+
+def test_a_family_never_imports_a_timer_or_a_backend():
+    """A family classifies kernels with quantstudy.kernel_kinds and never sees the profiler that found
+    them (quantstudy.timing) nor a backend: checked on every import statement of its module, those inside
+    functions included."""
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for path in sorted((root / "quantstudy/families").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                      if n in ("quantstudy.timing", "quantstudy.backends") or n.startswith("quantstudy.backends.")]
+    assert not found, found
+
+
+def _declared_traits(module: Path) -> dict[str, object]:
+    """The class attributes a backend module's registered class gives as constants (name, builds_from,
+    build_times_kernels ...), read from its source: TensorRT's module does not import everywhere."""
+    for node in ast.parse(module.read_text()).body:
+        if isinstance(node, ast.ClassDef) and any(getattr(d, "id", None) == "register" for d in node.decorator_list):
+            return {t.id: n.value.value for n in node.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+                    for t in n.targets if isinstance(t, ast.Name)}
+    raise AssertionError(f"{module} registers no backend class")
+
+
+def test_every_backend_declares_the_traits_the_rules_read():
+    """The rules read a backend's traits (quantstudy.backend_traits) without importing it; each backend's
+    class declares the same: checked from every backend module's source, and on the class where it imports."""
+    root = Path(__file__).resolve().parents[1]
+    schema = yaml.safe_load((root / "config/schemas/config.schema.yaml").read_text())
+    named = schema["properties"]["targets"]["additionalProperties"]["properties"]["backend"]["enum"]
+    assert sorted(backend_traits.TRAITS) == backends.names() == sorted(named)
+    for name, traits in backend_traits.TRAITS.items():
+        declared = _declared_traits(root / f"quantstudy/backends/{name}_backend.py")
+        assert declared["name"] == name
+        for trait, value in dataclasses.asdict(traits).items():
+            assert declared.get(trait) == value, f"{name}.{trait}: the class says {declared.get(trait)!r}, the rules read {value!r}"
+            if backends.available(name)[0]:
+                assert getattr(backends.get(name), trait) == value, (name, trait)
+    assert backend_traits.of("tensorrt").build_times_kernels and not backend_traits.of("torch").build_times_kernels
+
+
+def test_the_rules_name_no_backend():
+    """Rules decide by a backend's traits (`builds_from`, `build_times_kernels`), never by its name."""
+    root = Path(__file__).resolve().parents[1]
+    found = [f"{path.relative_to(root)}: {name}" for path in [root / "Snakefile", *sorted(root.glob("rules/*.smk"))]
+             for name in backends.names() if re.search(rf"[\"']{name}[\"']", path.read_text())]
     assert not found, found
 
 

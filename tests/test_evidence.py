@@ -9,7 +9,7 @@ import pytest
 
 from quantstudy import artifacts, render
 
-from conftest import ROOT
+from helpers import ROOT
 
 # Each tables.json inside an evidence folder results/<machine-backend>/ has its rendered README.md
 # beside it (the workflow's own results/<study>/tables.json is one level up, and not evidence).

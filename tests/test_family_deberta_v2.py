@@ -19,7 +19,7 @@ from quantstudy.backends import torch_backend
 from quantstudy.families.base import Setting
 from quantstudy.families.deberta_v2 import POSITIONS
 
-from conftest import assert_declares_its_quality_columns, observed_amax, skip_without_gpu, tiny_checkpoint
+from helpers import assert_declares_its_quality_columns, observed_amax, skip_without_gpu, tiny_checkpoint
 
 import onnx  # noqa: E402  (pinned: a broken install fails, it does not skip)
 from quantstudy.backends.onnxruntime_backend import session as ort_session  # noqa: E402

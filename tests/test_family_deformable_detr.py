@@ -19,7 +19,7 @@ from quantstudy.backends.onnxruntime_backend import session as ort_session
 from quantstudy.families import base
 from quantstudy.families.deformable_detr import SIZE_MAX, SIZE_MIN, DetectorEngine, WeightedStackAttention, load_images
 
-from conftest import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
+from helpers import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
 
 # The write-up's recipe: FP8 for the encoder and decoder projections (72 of 100 linears at
 # real size); sampling offsets, attention weights and the heads stay fp16.

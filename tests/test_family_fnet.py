@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from quantstudy import families, quantization, steps
 from quantstudy.families.base import Setting
 
-from conftest import assert_declares_its_quality_columns
+from helpers import assert_declares_its_quality_columns
 
 FP16 = {"precision": "float16", "transforms": []}
 SETTING = Setting("w128", 1, {"window": 128})

@@ -15,7 +15,7 @@ import torch
 from quantstudy import config, export, families, quantization, timing
 from quantstudy.families import base, gpt_neo
 
-from conftest import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
+from helpers import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
 
 from quantstudy.backends.onnxruntime_backend import session as ort_session  # noqa: E402  (pinned: a broken install fails, it does not skip)
 

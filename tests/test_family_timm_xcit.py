@@ -19,7 +19,7 @@ from quantstudy import config, export, families, quantization  # noqa: E402
 from quantstudy.families.base import Family, Setting  # noqa: E402
 from quantstudy.families.timm_xcit import load_images  # noqa: E402
 
-from conftest import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
+from helpers import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
 
 RECIPE = {"quantize": ["blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.fc1", "blocks.*.mlp.fc2",
                        "cls_attn_blocks.*.attn.k", "cls_attn_blocks.*.attn.v"],
@@ -471,12 +471,12 @@ def test_fp8_disagreement_is_measured_against_fp32_and_against_another_engine(fa
 def test_the_studys_sample_sets_are_disjoint_and_fit_the_dataset(overrides, tmp_path, monkeypatch):
     """Same seed, non-overlapping offset ranges (disjoint by draw_samples' rule); a generated dataset
     has a row for every sample. The real study's ImageNet revision is the lock step's (stand-in here)."""
-    from quantstudy import lock
+    from quantstudy import lockfile
 
-    from conftest import stand_in_lock
+    from helpers import stand_in_lock
 
-    monkeypatch.setattr(lock, "LOCK_FILE", tmp_path / "revisions.lock.yaml")
-    stand_in_lock(lock.LOCK_FILE, ["config/studies/timm_xcit.yaml"])
+    monkeypatch.setattr(lockfile, "LOCK_FILE", tmp_path / "revisions.lock.yaml")
+    stand_in_lock(lockfile.LOCK_FILE, ["config/studies/timm_xcit.yaml"])
     study = config.load_study("config/studies/timm_xcit.yaml", overrides)
     sets = study.raw["samples"]
     assert {s["seed"] for s in sets.values()} == {0} and {s["dataset"] for s in sets.values()} == {"imagenet"}

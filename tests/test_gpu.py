@@ -15,7 +15,7 @@ from quantstudy.config import load_architecture
 from quantstudy.families import get as family
 from quantstudy.families.base import Setting
 
-from conftest import skip_without_gpu
+from helpers import skip_without_gpu
 
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ import pytest
 
 from quantstudy import jobserver
 
-from conftest import skip_without_gpu
+from helpers import skip_without_gpu
 
 JOB_MODULE = textwrap.dedent("""
     import json, os, sys, time

@@ -12,9 +12,9 @@ import yaml
 from huggingface_hub.hf_api import GitCommitInfo, GitRefInfo, GitRefs
 
 from quantstudy import config as qc
-from quantstudy import lock
+from quantstudy import lock, lockfile
 
-from conftest import ROOT, dry_run_with_studies
+from helpers import ROOT, dry_run_with_studies, study_doc
 
 HEAD = "6f5cf0a2" + "1" * 32
 OLD = "6f5cf0b7" + "2" * 32
@@ -46,14 +46,13 @@ class Hub:
 @pytest.fixture
 def lock_file(tmp_path, monkeypatch):
     path = tmp_path / "revisions.lock.yaml"
-    monkeypatch.setattr(lock, "LOCK_FILE", path)
+    monkeypatch.setattr(lockfile, "LOCK_FILE", path)
     return path
 
 
 def study_with(tmp_path, revision) -> str:
     """The embedded-default FNet study with fnet-base's checkpoint at `revision` (None: no revision)."""
-    doc = qc.deep_merge(yaml.safe_load((ROOT / "config/studies/fnet.yaml").read_text()),
-                        yaml.safe_load((ROOT / "config/tiny/fnet.yaml").read_text()))
+    doc = study_doc()
     checkpoint = doc["models"]["fnet-base"]["checkpoint"]
     del doc["models"]["fnet-base"]["tiny"]  # a hub checkpoint, not a generated one
     checkpoint["repo"] = "org/model"
@@ -68,20 +67,20 @@ def study_with(tmp_path, revision) -> str:
 def test_a_unique_prefix_resolves_and_none_or_several_are_errors():
     commits = [HEAD, OLD, BRANCH]
     assert lock.match_prefix("6f5cf0a2", commits, "m") == HEAD
-    with pytest.raises(lock.LockError, match="no commit of its branches begins with 'abcdef0'"):
+    with pytest.raises(lockfile.LockError, match="no commit of its branches begins with 'abcdef0'"):
         lock.match_prefix("abcdef0", commits, "m")
-    with pytest.raises(lock.LockError, match="2 commits begin with '6f5cf0'"):
+    with pytest.raises(lockfile.LockError, match="2 commits begin with '6f5cf0'"):
         lock.match_prefix("6f5cf0", commits, "m")
 
 
 @pytest.mark.parametrize("revision", ["main", "v1.0", "6f5cf0", "6F5CF0A2"])
 def test_a_branch_tag_or_too_short_hash_is_never_a_lock_request(revision):
-    with pytest.raises(lock.LockError, match=f"revision '{revision}' is not pinned"):
-        lock.request("model", "org/model", revision)
+    with pytest.raises(lockfile.LockError, match=f"revision '{revision}' is not pinned"):
+        lockfile.request("model", "org/model", revision)
 
 
 def test_a_full_commit_needs_no_lock():
-    assert lock.request("model", "org/model", HEAD) is None
+    assert lockfile.request("model", "org/model", HEAD) is None
 
 
 def test_an_unresolved_revision_stops_the_config_with_the_command(tmp_path, lock_file):
@@ -129,7 +128,7 @@ def test_a_short_hash_the_hub_does_not_have_is_reported_and_not_locked(tmp_path,
 
 def test_a_lock_entry_that_does_not_match_its_short_hash_is_refused(tmp_path, lock_file):
     spec = study_with(tmp_path, "6f5cf0a2")
-    lock.write({lock.Request("model", "org/model", "6f5cf0a2").key:
+    lockfile.write({lockfile.Request("model", "org/model", "6f5cf0a2").key:
                 {"type": "model", "repo": "org/model", "requested": "6f5cf0a2", "commit": BRANCH}})
     with pytest.raises(qc.ConfigError, match=f"has commit '{BRANCH}', which is not a full commit beginning with 6f5cf0a2"):
         qc.load_study(spec, against_code=False)
@@ -137,7 +136,7 @@ def test_a_lock_entry_that_does_not_match_its_short_hash_is_refused(tmp_path, lo
 
 def test_the_checkouts_lock_file_is_well_formed():
     """Every committed entry is a full commit that begins with what was asked for."""
-    for key, entry in lock.read(ROOT / "config" / "revisions.lock.yaml").items():
-        req = lock.Request(entry["type"], entry["repo"], entry.get("requested"))
-        assert req.key == key and lock.FULL.match(entry["commit"])
+    for key, entry in lockfile.read(ROOT / "config" / "revisions.lock.yaml").items():
+        req = lockfile.Request(entry["type"], entry["repo"], entry.get("requested"))
+        assert req.key == key and lockfile.FULL.match(entry["commit"])
         assert not req.requested or entry["commit"].startswith(req.requested)

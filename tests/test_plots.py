@@ -11,7 +11,7 @@ from PIL import Image
 
 from quantstudy import artifacts, plots
 
-from conftest import ROOT, rewritten
+from helpers import ROOT, rewritten
 
 EVIDENCE = ROOT / "results/h200-torch-issue9/results/deberta_v2/tables.json"  # one target, fp16 and fp8
 GPT_NEO = ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json"  # KL relative to fp16's, five variants

@@ -12,7 +12,7 @@ import yaml
 from quantstudy import aggregate, render
 from quantstudy import config as qc
 
-from conftest import ROOT
+from helpers import ROOT
 
 STUDIES = ("fnet", "deberta_v2", "timm_xcit")
 # The committed H200 evidence (real-size random weights): real tables of all three studies, rendered

@@ -11,15 +11,11 @@ import pytest
 
 from quantstudy import steps
 
-SETTING = {"name": "w64", "batch": 1, "shape": {"window": 64}, "quality": True}
-TARGET = {"target": "cpu-torch", "backend": "torch", "device": "cpu"}
+from helpers import CPU_TORCH, FNET_SETTING, ident
+
 SPECS = {"fp16": {"precision": "float16", "transforms": []},
          "fp32": {"precision": "float32", "transforms": []},
          "fp8-broken": {"precision": "float16", "transforms": [{"fp8": {"exclude": ["*"]}}]}}
-
-
-def ident(variant: str) -> dict:
-    return {"target": "cpu-torch", "model": "fnet-base", "setting": "w64", "variant": variant}
 
 
 @pytest.fixture(scope="module")
@@ -29,21 +25,21 @@ def measured(tiny_inputs, tmp_path_factory):
     out, study = tmp_path_factory.mktemp("against"), tiny_inputs["study"]
     checkpoint = str(tiny_inputs["checkpoint"])
     samples = {name: str(tiny_inputs["samples"][name]) for name in study.evaluation_samples}
-    steps.reference("fnet", "fnet-base", SETTING, study.metrics, study.seeds, checkpoint, samples,
+    steps.reference("fnet", "fnet-base", FNET_SETTING, study.metrics, study.seeds, checkpoint, samples,
                     str(out / "reference.json"), str(out / "reference.safetensors"))
-    steps.calibrate("fnet", "fnet-base", SETTING, study.models["fnet-base"].architecture, study.recipe, checkpoint,
+    steps.calibrate("fnet", "fnet-base", FNET_SETTING, study.models["fnet-base"].architecture, study.recipe, checkpoint,
                     str(tiny_inputs["calibration"]), str(out / "amax.json"))
     builds = {}
     for variant, spec in SPECS.items():
         builds[variant] = str(out / variant / "build.json")
-        steps.build(ident(variant), "fnet", TARGET, SETTING, {}, spec, study.recipe, checkpoint,
+        steps.build(ident(variant), "fnet", CPU_TORCH, FNET_SETTING, {}, spec, study.recipe, checkpoint,
                     str(out / "amax.json") if "fp8" in variant else None, builds[variant])
     return {"out": out, "study": study, "checkpoint": checkpoint, "samples": samples, "builds": builds}
 
 
 def evaluate(m, variant: str, against: dict[str, str], out) -> dict:
     study = m["study"]
-    steps.evaluate(ident(variant), "fnet", TARGET, SETTING, study.recipe, study.metrics, study.seeds,
+    steps.evaluate(ident(variant), "fnet", CPU_TORCH, FNET_SETTING, study.recipe, study.metrics, study.seeds,
                    m["checkpoint"], m["builds"][variant], str(m["out"] / "reference.json"),
                    str(m["out"] / "reference.safetensors"), m["samples"], str(out), against_builds=against)
     return json.loads(out.read_text())

@@ -10,7 +10,7 @@ import torch
 
 from quantstudy import quantization as q, steps
 
-from conftest import reference_qdq
+from helpers import reference_qdq
 
 E4M3_GRID = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
 

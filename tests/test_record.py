@@ -10,7 +10,7 @@ import pytest
 from quantstudy import artifacts, steps
 from quantstudy.artifacts import DamagedArtifact, read_json, write_json
 
-from conftest import rewritten
+from helpers import rewritten
 
 SHA = "ab" * 32
 

@@ -37,7 +37,7 @@ def test_a_relative_condition_renders_its_factor_and_the_variant():
     variant's value, beside the absolute ones (on the committed XCiT evidence's tables)."""
     from quantstudy import artifacts
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
     tables["decision"]["conditions"].append(
@@ -56,7 +56,7 @@ def test_a_failed_gpt_neo_variant_shows_its_error_text_in_the_variants_table():
     is computed from the rows that were measured."""
     from quantstudy import aggregate, artifacts
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json", "tables")
     error = aggregate.exception_text(
@@ -83,7 +83,7 @@ def test_detr_counts_render_as_counts_beside_failed_rows():
     rows' job and image counts as counts, and each failed row's error."""
     from quantstudy import artifacts
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / "results/h200-deformable-detr/deformable_detr/results/deformable_detr/tables.json",
                                  "tables")
@@ -100,7 +100,7 @@ def test_a_condition_on_a_setting_names_it_with_this_runs_values():
     on no setting shows its name alone."""
     from quantstudy import artifacts
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
     tables["spec"]["settings"]["w256"] = {"window": 64, "batch": 1}
@@ -127,7 +127,7 @@ def test_the_verdict_gives_each_conditions_baseline_samples_and_threshold_basis(
     that misses a bar the candidate meets is said to, one that meets a bar the candidate misses is not."""
     from quantstudy import artifacts
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
     heldout = next(s for s in tables["samples"] if s["name"] == "heldout")
@@ -171,7 +171,7 @@ def test_each_setting_has_one_label_and_its_shape_once():
     stands for a setting anywhere else, and no row says 256 tokens."""
     from quantstudy import artifacts
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / "results/h200-torch-issue9/results/deberta_v2/tables.json", "tables")
     shrunk = {"w128": (1, 32), "w256": (1, 64), "w512": (1, 128), "b32-w256": (8, 64)}
@@ -203,7 +203,7 @@ def test_failed_rows_keep_every_table_whole(family):
     from quantstudy import artifacts
     from quantstudy.devtools import malformed_tables
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / EVIDENCE_BY_FAMILY[family], "tables")
     assert malformed_tables(render.render_section(tables)) == []
@@ -223,7 +223,7 @@ def test_a_threshold_is_printed_as_configured_beside_values_at_their_samples_pre
     99.50%: rounding it to the sample's precision would print a bar of 100%."""
     from quantstudy import artifacts
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
     heldout = next(s for s in tables["samples"] if s["name"] == "heldout")
@@ -251,7 +251,7 @@ def test_a_bound_with_no_f_says_so_instead_of_an_empty_sentence():
     how f was found must not read "f was found ."."""
     from quantstudy import artifacts
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / "results/h200-torch-repeats/results/fnet/tables.json", "tables")
     assert "f was found on `h200-torch` by shape [M, K, N]." in render.render_section(tables)
@@ -266,7 +266,7 @@ def test_detr_gemm_rows_count_only_what_they_cover():
     baseline and the candidate, not "every target and size" when a disagreeing profile was left out."""
     from quantstudy import artifacts
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / "results/h200-deformable-detr/run-2026-12-05/results/deformable_detr/tables.json",
                                  "tables")
@@ -289,7 +289,7 @@ def test_xcit_gemm_share_is_each_targets_own():
 
     from quantstudy import artifacts
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
     tables["targets"]["cpu-onnxruntime"] = {"backend": "onnxruntime", "device": "cpu", "version": None}
@@ -316,7 +316,7 @@ def test_the_front_page_names_the_run_kind_before_its_decisions(tmp_path):
     misses, with what was measured and what was needed."""
     from quantstudy import artifacts
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     paths = [ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json",
              ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json"]
@@ -336,7 +336,7 @@ def test_a_baselines_ms_beside_a_variants_is_the_pair_its_x_came_from():
     job, with the x of the two (GPT-Neo's H200 evidence: fp8-c_fc's prefill, timed beside fp16)."""
     from quantstudy import artifacts
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json", "tables")
     section = render.render_section(tables)
@@ -353,7 +353,7 @@ def test_a_condition_straddling_its_threshold_is_rendered_within_the_noise():
     verdict rests on it (the committed XCiT evidence, one condition's interval made to straddle its bar)."""
     from quantstudy import artifacts
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
     c = tables["decision"]["conditions"][1]

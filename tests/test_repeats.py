@@ -14,19 +14,14 @@ import yaml
 
 from quantstudy import aggregate, artifacts, config as qc, render
 
-from conftest import ROOT, TEST_CONFIG
+from helpers import ROOT, TEST_CONFIG, study_doc
 
 EVIDENCE = ROOT / "results/h200-torch-issue9/results/deberta_v2/tables.json"
 
 
-def _study_doc() -> dict:
-    return qc.deep_merge(yaml.safe_load((ROOT / "config/studies/fnet.yaml").read_text()),
-                         yaml.safe_load((ROOT / "config/tiny/fnet.yaml").read_text()))
-
-
 @pytest.mark.parametrize("repeats", [0, -2, "two", 2.5, True])
 def test_study_repeats_must_be_a_whole_number_of_jobs(tmp_path, repeats):
-    doc = _study_doc()
+    doc = study_doc()
     doc["timing"]["repeats"] = repeats
     (tmp_path / "study.yaml").write_text(yaml.safe_dump(doc))
     with pytest.raises(qc.ConfigError, match=r"timing\.repeats: .* is not a number of timing jobs: repeats is how "

@@ -117,7 +117,7 @@ def test_one_dynamic_engine_is_timed_at_two_sizes(backend, detr_checkpoint, tmp_
 def test_the_dag_builds_a_shared_engine_once_and_times_it_at_both_sizes(tmp_path):
     """The rules (snakemake -n): one export and one build per variant at the engine's setting, a
     time job per setting, each reading that build."""
-    from conftest import ROOT
+    from helpers import ROOT
     from quantstudy.devtools import planned_jobs, snakemake
     from test_contract import CASES
 

@@ -29,7 +29,7 @@ from pprint import pformat
 import pytest
 import yaml
 
-from conftest import stand_in_lock
+from helpers import stand_in_lock
 from quantstudy import aggregate
 from quantstudy.devtools import copy_checkout
 

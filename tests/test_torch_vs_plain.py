@@ -289,14 +289,14 @@ def test_a_registered_family_without_a_study_in_the_run_is_named_with_the_reason
 def test_a_device_calls_config_layer_declares_the_card_it_runs_on(bench, tmp_path, monkeypatch):
     """`--config config/h200.yaml config/realsize/calls/h100.yaml` is the run the workflow makes of the same
     two --configfile: its torch target declares the H100, and a host without one stops before any build."""
-    from quantstudy import lock
+    from quantstudy import lockfile
 
-    from conftest import stand_in_lock
+    from helpers import stand_in_lock
 
     if torch.cuda.is_available():
         pytest.skip("the refusal is checked on a host without a GPU")
-    monkeypatch.setattr(lock, "LOCK_FILE", tmp_path / "revisions.lock.yaml")
-    stand_in_lock(lock.LOCK_FILE, ["config/h200.yaml"])
+    monkeypatch.setattr(lockfile, "LOCK_FILE", tmp_path / "revisions.lock.yaml")
+    stand_in_lock(lockfile.LOCK_FILE, ["config/h200.yaml"])
     run = bench.load_run([ROOT / "config/h200.yaml", ROOT / "config/realsize/calls/h100.yaml"])
     assert run.targets["h200-torch"].gpu == "h100"
     with pytest.raises(SystemExit, match="target h200-torch declares gpu h100, but this host has no GPU"):
@@ -315,7 +315,7 @@ def test_plain_gpt_neo_computes_the_project_prefill_and_decode(bench, tmp_path):
     from quantstudy import config, families, quantization
     from quantstudy.families import base
 
-    from conftest import observed_amax
+    from helpers import observed_amax
 
     fam = families.get("gpt_neo")
     arch = {**config.load_architecture("tiny-gpt-neo-125m"), "window_size": 16}
@@ -367,7 +367,7 @@ def test_plain_deformable_detr_computes_the_project_engine(bench, tmp_path):
     from quantstudy import config, families, quantization
     from quantstudy.families import base
 
-    from conftest import observed_amax
+    from helpers import observed_amax
 
     fam = families.get("deformable_detr")
     for name, data in fam.tiny_checkpoint_files(config.load_architecture("tiny-deformable-detr"), {"seed": 0}).items():

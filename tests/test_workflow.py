@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT
+from helpers import ROOT
 from quantstudy.devtools import copy_checkout, forge_faster, planned_jobs, rewrite_json, snakemake
 
 pytestmark = pytest.mark.workflow

@@ -6,26 +6,26 @@ to named outputs. Build once, measure that build: what a job times, profiles or 
 file `build` wrote, never something made again in the job. Backends never import a family: the
 steps hand them a module or an ONNX file and example inputs.
 
-A backend is a class in `<name>_backend.py` of this package, `@register`ed, as families are. A
-module whose libraries do not import here (TensorRT on a machine without it) is still listed, with
-the reason, so that a config naming it gets a clear error and the contract test says what it skipped.
+A backend is a class in `<name>_backend.py` of this package, `@register`ed, as families are
+(quantstudy.registry: a name taken twice, or a protocol member missing, is an error as the module
+loads). A module whose libraries do not import here (TensorRT on a machine without it) is still
+listed, with the reason, so that a config naming it gets a clear error and the contract test says
+what it skipped.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 import torch
+from torch import nn
+
+from quantstudy import registry
+from quantstudy.config import Target
 
 Inputs = dict[str, torch.Tensor]
-
-_REGISTRY: dict[str, "Backend"] = {}
-_UNAVAILABLE: dict[str, str] = {}  # backend name -> why its module does not import here
-_SUFFIX = "_backend"
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,9 @@ class Runner(Protocol):
     """An opened engine: `runner({input: tensor}) -> {output: tensor}`. A call with more rows than the
     engine's batch runs in chunks of that batch (the last one padded); a shape the engine was not built
     for is an error. `replay()` runs one call on the example inputs it was opened with (no data
-    transfer); `synchronize()` waits for the device."""
+    transfer), as timing does; `profile_call()` one call for a profiler, kernel by kernel where replay
+    runs a captured graph, so that each kernel is seen with the op that launched it (timing.fp8_proof
+    and timing.kernel_profile); `synchronize()` waits for the device (`device`: where it runs)."""
 
     device: torch.device
     # What the runner knows of its FP8 layers: their names, and those that run real FP8 GEMMs
@@ -64,6 +66,8 @@ class Runner(Protocol):
 
     def replay(self) -> None: ...
 
+    def profile_call(self) -> None: ...
+
     def synchronize(self) -> None: ...
 
 
@@ -76,6 +80,9 @@ class Backend(Protocol):
     """What every backend declares and implements.
 
     `builds_from`: what `build` takes, the variant's module or its exported ONNX file.
+    `build_times_kernels`: whether `build` times candidate kernels on the device (TensorRT's tactics),
+    so that the build job takes the device alone. Both are traits the rules read before importing a
+    backend (quantstudy.backend_traits, which must say the same).
     `builder_options(target)`: how this target builds and runs engines (recorded in measurements.json).
     `build(source, out_dir, target, shapes)`: the engine files in `out_dir`; returns the build record
     of its graph (`engine`: the file every job opens, `engine_bytes`, and what the backend knows).
@@ -87,40 +94,35 @@ class Backend(Protocol):
 
     name: str
     builds_from: Literal["module", "onnx"]
+    build_times_kernels: bool
 
-    def builder_options(self, target: Any) -> dict[str, Any]: ...
+    def builder_options(self, target: Target) -> dict[str, Any]: ...
 
-    def build(self, source: Any, out_dir: Path, target: Any, shapes: Shapes) -> dict[str, Any]: ...
+    def build(self, source: nn.Module | Path, out_dir: Path, target: Target, shapes: Shapes) -> dict[str, Any]: ...
 
-    def open(self, out_dir: Path, example: Inputs, target: Any, skeleton: Any = None) -> Runner: ...
+    def open(self, out_dir: Path, example: Inputs, target: Target, skeleton: nn.Module | None = None) -> Runner: ...
 
     def profile(self, runner: Runner, calls: int, classify: Classify, regions: set[str]) -> dict[str, Any]: ...
 
 
+BACKENDS: registry.Registry[Backend] = registry.Registry("backend", __name__, Backend, suffix="_backend")
+
+
 def register(cls: type) -> type:
     """Class decorator: register a backend under its `name` (one instance, it holds no state)."""
-    _REGISTRY[cls.name] = cls()
+    BACKENDS.add(cls.name, cls(), registry.origin(cls))
     return cls
 
 
 def names() -> list[str]:
     """Every declared backend (a `<name>_backend` module here), whether or not it imports here."""
-    return sorted(i.name.removesuffix(_SUFFIX) for i in pkgutil.iter_modules(__path__) if i.name.endswith(_SUFFIX))
+    return BACKENDS.declared()
 
 
 def get(name: str) -> Backend:
     """The backend of a target. Only its own libraries are imported, and only now: a backend that
     cannot be imported here raises ImportError with the reason."""
-    if name not in _REGISTRY and name not in _UNAVAILABLE:
-        if name not in names():
-            raise KeyError(f"unknown backend {name!r}; known: {', '.join(names())}")
-        try:
-            importlib.import_module(f"{__name__}.{name}{_SUFFIX}")
-        except ImportError as e:
-            _UNAVAILABLE[name] = str(e)
-    if name in _UNAVAILABLE:
-        raise ImportError(f"backend {name!r} does not import here: {_UNAVAILABLE[name]}")
-    return _REGISTRY[name]
+    return BACKENDS.get(name)
 
 
 def available(name: str) -> tuple[bool, str]:

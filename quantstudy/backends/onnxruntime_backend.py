@@ -18,8 +18,11 @@ from typing import Any, Callable
 import numpy as np
 import onnxruntime as ort
 import torch
+from torch import nn
 
 from quantstudy.backends import Shapes, batch_chunks, register
+from quantstudy.config import Target
+from quantstudy.kernel_kinds import FP8_REGION
 from quantstudy.timing import gemm_calls, projection_dims
 
 ENGINE_FILE = "model.onnx"
@@ -33,7 +36,7 @@ DISABLED_OPTIMIZERS = ["QDQSelectorActionTransformer"]
 _DISABLE_KEY = "optimization.disable_specified_optimizers"
 
 
-def session(model: str | Path | bytes, target=None, profile_prefix: str | None = None) -> ort.InferenceSession:
+def session(model: str | Path | bytes, target: Target | None = None, profile_prefix: str | None = None) -> ort.InferenceSession:
     """A session on an ONNX model (its file, or its bytes) as this backend opens every engine: the
     target's builder options (no target: the defaults), DISABLED_OPTIMIZERS off. A test that runs an
     exported graph in ONNX Runtime opens it here too, so that it runs what the backend runs."""
@@ -83,9 +86,10 @@ class OnnxRuntimeBackend:
 
     name = "onnxruntime"
     builds_from = "onnx"
+    build_times_kernels = False
 
     @staticmethod
-    def builder_options(target) -> dict[str, Any]:
+    def builder_options(target: Target) -> dict[str, Any]:
         """The session options this target's sessions are opened with (`_session_options`), and the FP8 path."""
         so = _session_options(target.builder)
         threads = so.intra_op_num_threads
@@ -96,7 +100,7 @@ class OnnxRuntimeBackend:
                 "fp8_path": "float8e4m3fn QuantizeLinear / DequantizeLinear run by ONNX Runtime's CPU kernels"}
 
     @staticmethod
-    def build(onnx_path: str | Path, out_dir: str | Path, target, shapes: Shapes) -> dict[str, Any]:
+    def build(onnx_path: str | Path, out_dir: str | Path, target: Target, shapes: Shapes) -> dict[str, Any]:
         """Place the ONNX as the engine and open a session on it (a graph ORT rejects fails here).
         ONNX Runtime takes any shape a dynamic graph allows: it needs no shapes to build for."""
         out_dir = Path(out_dir)
@@ -109,15 +113,13 @@ class OnnxRuntimeBackend:
                                 "graph_optimization_level": str(opened.get_session_options().graph_optimization_level)}}
 
     @staticmethod
-    def open(out_dir: str | Path, example: dict[str, torch.Tensor], target, skeleton=None) -> "Runner":
+    def open(out_dir: str | Path, example: dict[str, torch.Tensor], target: Target, skeleton: nn.Module | None = None) -> "Runner":
         """The engine in `out_dir` as a runner at the example inputs' shapes."""
         return Runner(Path(out_dir) / ENGINE_FILE, example, target)
 
     @staticmethod
     def profile(runner: "Runner", calls: int, classify, regions: set[str]) -> dict[str, Any]:
         """ONNX Runtime's own profiler (Runner.kernel_profile); FP8 layers' nodes form the FP8 region."""
-        from quantstudy.quantization import FP8_REGION
-
         return runner.kernel_profile(calls, classify, FP8_REGION)
 
 
@@ -133,7 +135,7 @@ class Runner:
     repeating its last row); a dynamic graph takes any shape in one call.
     """
 
-    def __init__(self, engine: Path, example: dict[str, torch.Tensor], target):
+    def __init__(self, engine: Path, example: dict[str, torch.Tensor], target: Target):
         self.engine, self.target = engine, target
         self.device = torch.device("cpu")
         self.fp8_layers = self.fp8_gemm = None  # the engine decides; its profile and inspector tell
@@ -172,6 +174,11 @@ class Runner:
 
     def replay(self) -> None:
         """One timed call on the bound example inputs."""
+        self.session.run_with_iobinding(self._binding)
+
+    def profile_call(self) -> None:
+        """One call for a profiler: the bound example inputs, as replay runs them (a session captures no
+        graph whose kernels a profiler would not see one by one)."""
         self.session.run_with_iobinding(self._binding)
 
     def synchronize(self) -> None:

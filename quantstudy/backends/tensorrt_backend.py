@@ -19,8 +19,11 @@ from typing import Any, Callable
 
 import tensorrt as trt
 import torch
+from torch import nn
 
 from quantstudy.backends import Shapes, batch_chunks, register
+from quantstudy.config import Target
+from quantstudy.kernel_kinds import FP8_REGION
 from quantstudy.timing import gemm_calls, projection_dims
 
 PLAN_FILE = "engine.plan"
@@ -83,7 +86,7 @@ def gpu_key() -> str:
     return f"{name}-sm{major}{minor}-trt{trt.__version__}"
 
 
-def timing_cache_path(target) -> Path:
+def timing_cache_path(target: Target) -> Path:
     """The timing cache this target's builds share, keyed by GPU and TensorRT version."""
     folder = Path(target.builder.get("timing_cache_dir", TIMING_CACHE_DIR))
     return folder / f"{gpu_key()}.cache"
@@ -110,7 +113,7 @@ def _save_timing_cache(config: "trt.IBuilderConfig", cache: "trt.ITimingCache", 
 DEFAULT_OPTIMIZATION_LEVEL = 3  # TensorRT's own default
 
 
-def builder_options(target) -> dict[str, Any]:
+def builder_options(target: Target) -> dict[str, Any]:
     """The builder settings `build` uses for this target, and the FP8 path."""
     opts = target.builder
     return {"network": "strongly typed (types from the ONNX: fp16 from an fp16 graph, FP8 from its Q/DQ)",
@@ -120,7 +123,7 @@ def builder_options(target) -> dict[str, Any]:
             "fp8_path": "explicit Q/DQ: TensorRT fuses them into FP8 GEMMs; the engine inspector says which ran in FP8"}
 
 
-def _require_version(target) -> None:
+def _require_version(target: Target) -> None:
     """A target pins its TensorRT version: an engine built by another version would be mislabelled."""
     wanted = str(target.version or "")
     if wanted and not (trt.__version__ == wanted or trt.__version__.startswith(wanted + ".")):
@@ -128,7 +131,7 @@ def _require_version(target) -> None:
                          f"{trt.__version__}: run it in {target.env or 'its own environment'}")
 
 
-def build(onnx_path: str | Path, out_dir: str | Path, target, shapes: Shapes) -> dict[str, Any]:
+def build(onnx_path: str | Path, out_dir: str | Path, target: Target, shapes: Shapes) -> dict[str, Any]:
     """Parse the ONNX into a strongly typed network, build the plan, inspect what runs in FP8.
 
     `shapes.profile` gives (min, opt, max) shapes for each dynamic input: one optimization profile.
@@ -242,19 +245,18 @@ class TensorRTBackend:
 
     name = "tensorrt"
     builds_from = "onnx"
+    build_times_kernels = True  # tactic selection times candidate kernels on the GPU
     builder_options = staticmethod(builder_options)
     build = staticmethod(build)
 
     @staticmethod
-    def open(out_dir: str | Path, example: dict[str, torch.Tensor], target, skeleton=None) -> "Runner":
+    def open(out_dir: str | Path, example: dict[str, torch.Tensor], target: Target, skeleton: nn.Module | None = None) -> "Runner":
         """The plan in `out_dir` as a runner at the example inputs' shapes, captured as a CUDA graph."""
         return Runner(Path(out_dir), example, target)
 
     @staticmethod
     def profile(runner: "Runner", calls: int, classify, regions: set[str]) -> dict[str, Any]:
         """TensorRT's IProfiler per layer (Runner.kernel_profile); FP8 GEMM layers form the FP8 region."""
-        from quantstudy.quantization import FP8_REGION
-
         return runner.kernel_profile(calls, classify, FP8_REGION)
 
 
@@ -263,7 +265,7 @@ class Runner:
     replays a CUDA graph of one enqueue. Other shapes: a dynamic engine takes them in one call
     (set_input_shape, no graph); a static one takes more rows in chunks of its batch."""
 
-    def __init__(self, out_dir: Path, example: dict[str, torch.Tensor], target):
+    def __init__(self, out_dir: Path, example: dict[str, torch.Tensor], target: Target):
         self.device = _require_gpu()
         self.out_dir = out_dir
         self.fp8_layers = self.fp8_gemm = None  # the engine decides; its profile and inspector tell
@@ -339,6 +341,11 @@ class Runner:
     def replay(self) -> None:
         """One timed call: graph replay on the static buffers, no data transfer."""
         self.graph.replay()
+
+    def profile_call(self) -> None:
+        """One call for a profiler: a plain enqueue on the static buffers, not the captured graph, so that
+        each kernel is launched on its own (timing.fp8_proof profiles every runner a timing job times)."""
+        self._enqueue(self.context)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -37,8 +37,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from quantstudy import paths
 from quantstudy.artifacts import atomic_write
 from quantstudy.backends import Inputs, Shapes, batch_chunks, register
+from quantstudy.config import Target
 
 ENGINE_FILE = "engine.safetensors"
 COMPILED_FILE = "compiled.bin"  # inductor's cache artifacts of the engine at its built shapes
@@ -218,9 +220,10 @@ class TorchBackend:
 
     name = "torch"
     builds_from = "module"
+    build_times_kernels = False  # a compiling build's autotuning runs in a shared device turn (Runner), as GPU work
 
     @staticmethod
-    def builder_options(target) -> dict[str, Any]:
+    def builder_options(target: Target) -> dict[str, Any]:
         """How this target runs a variant module: device, torch.compile, CUDA graph, and the FP8 GEMM path."""
         from quantstudy.quantization import fp8_gemm_supported
 
@@ -235,7 +238,7 @@ class TorchBackend:
                 "cuda_graph": cuda, "fp8_path": fp8,
                 **({"cudnn_deterministic": bool(torch.backends.cudnn.deterministic)} if cuda else {})}
 
-    def build(self, model: nn.Module, out_dir: str | Path, target, shapes: Shapes) -> dict[str, Any]:
+    def build(self, model: nn.Module, out_dir: str | Path, target: Target, shapes: Shapes) -> dict[str, Any]:
         """Save the weights; on a compiling target, compile the engine as `open` will run it, at every
         example's shape (CUDA-graph capture included), and save what was compiled."""
         out_dir = Path(out_dir)
@@ -267,7 +270,7 @@ class TorchBackend:
                 "compiled_artifacts": held, "compile_seconds": seconds}
 
     @staticmethod
-    def open(out_dir: str | Path, example: Inputs, target, skeleton: nn.Module | None = None) -> "Runner":
+    def open(out_dir: str | Path, example: Inputs, target: Target, skeleton: nn.Module | None = None) -> "Runner":
         """The engine in `out_dir` as a runner at the example inputs' shape (the skeleton gives its
         structure). On a compiling target the program comes from the build's compiled file: nothing is
         compiled here, and a graph the file does not hold raises NotBuilt."""
@@ -289,7 +292,7 @@ class TorchBackend:
         if found["miss"] or found["bypass"]:
             raise NotBuilt(f"opening {out_dir} at {_shape_of(example)} had to compile {found['miss'] + found['bypass']} "
                            f"graph(s) that its build did not: the build compiled other shapes or other code; "
-                           f"rerun it: snakemake --forcerun build {Path(out_dir).parent / 'build.json'}")
+                           f"rerun it: snakemake --forcerun build {paths.build_of_engine(out_dir)}")
         runner.open_seconds = time.perf_counter() - started
         spent = {k: v - dynamo[k] for k, v in _dynamo_seconds().items()}
         loading = spent["compiler"] + spent["precompiled"]

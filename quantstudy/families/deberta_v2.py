@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantstudy import metrics as qm, quantization
+from quantstudy import kernel_kinds, metrics as qm, quantization
 from quantstudy.families import base, register
 from quantstudy.families.base import Evaluation, Graph, Setting, TensorSpec
 
@@ -210,14 +210,12 @@ class DebertaV2:
         included; a GEMM whose operands are all batched is an attention matmul (QK^T, c2p, p2c,
         PV). GPU kernels without a recognised op go by name: TensorRT's fused attention first.
         """
-        from quantstudy import timing as qt
-
-        op_name = qt.launching_op(name, device, op)
-        if qt.in_fp8_gemm(region, op_name):
+        op_name = kernel_kinds.launching_op(name, device, op)
+        if kernel_kinds.in_fp8_gemm(region, op_name):
             return "FP8 projection GEMMs"
         if device != "cpu" and _FUSED_ATTENTION.search(name):
             return "fused attention"
-        if op_name in qt.GEMM_OPS:
+        if op_name in kernel_kinds.GEMM_OPS:
             shapes = op["shapes"] if op else []
             return "projection GEMMs" if any(len(s) == 2 for s in shapes) else "attention matmuls"
         if _SOFTMAX.search(op_name or "") or (device != "cpu" and _SOFTMAX.search(name)):

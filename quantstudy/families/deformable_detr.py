@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantstudy import kernel_kinds
 from quantstudy.families import base, register
 
 log = logging.getLogger(__name__)
@@ -535,17 +536,15 @@ class DeformableDetr:
         convolutions, normalization and elementwise). A GPU kernel goes by the op that launched it,
         else (compiled code, TensorRT) by its own name.
         """
-        from quantstudy import timing as qt
-
-        op_name = qt.launching_op(name, device, op)
-        if op_name in qt.GEMM_OPS:
+        op_name = kernel_kinds.launching_op(name, device, op)
+        if op_name in kernel_kinds.GEMM_OPS:
             return "GEMM"
-        if qt.in_fp8_gemm(region, op_name):
+        if kernel_kinds.in_fp8_gemm(region, op_name):
             return "Quantize"
         for group, pattern in OP_PATTERNS:
             if op_name and re.search(pattern, op_name, re.I):
                 return group
-        return "other" if device == "cpu" else qt.group_by_name(name, KERNEL_PATTERNS)
+        return "other" if device == "cpu" else kernel_kinds.group_by_name(name, KERNEL_PATTERNS)
 
     @staticmethod
     def transforms() -> dict:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from quantstudy import kernel_kinds
 from quantstudy.families import base, register
 from quantstudy.families.base import Evaluation, Graph, Setting, TensorSpec
 
@@ -165,22 +166,20 @@ class FNet:
         Compiled code and exported graphs (ONNX Runtime, TensorRT) keep no regions, hence the
         shapes.
         """
-        from quantstudy import timing as qt
-
         window = setting["window"] if setting is not None else None
-        op_name = qt.launching_op(name, device, op)
-        if qt.in_fp8_gemm(region, op_name):
+        op_name = kernel_kinds.launching_op(name, device, op)
+        if kernel_kinds.in_fp8_gemm(region, op_name):
             return "FP8 feed-forward GEMMs"
         if region in REGIONS:
             return REGIONS[region]
-        if op_name in qt.GEMM_OPS:
+        if op_name in kernel_kinds.GEMM_OPS:
             shapes = op["shapes"] if op else []
             # the stacked [2S, S] matrix, in either order: a compiled GEMM may take it transposed.
             # (The hidden-axis matrix is [2H, H], and FNet's windows are below its hidden size.)
             sequence = window is not None and any(len(s) >= 2 and sorted(s[-2:]) == [window, 2 * window]
                                                   for s in shapes)
             return "sequence-axis DFT" if sequence else "other GEMMs"
-        return "other" if device == "cpu" else qt.group_by_name(name, self.kernel_patterns)
+        return "other" if device == "cpu" else kernel_kinds.group_by_name(name, self.kernel_patterns)
 
     def transforms(self) -> dict[str, Any]:
         return {"hidden_scaling": _hidden_scaling}

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from quantstudy import kernel_kinds
 from quantstudy.families import base, register
 
 # Kernel groups: the recipe's FP8 projections, the GEMMs that stay fp16 (out_proj, the tied
@@ -449,16 +450,14 @@ class GPTNeo:
         GEMMs (a weight operand of rank 2) are the fp16 projections and the lm_head. Compiled
         code and exported graphs keep no regions, hence the shapes and then the kernel names.
         """
-        from quantstudy import timing as qt
-
-        op_name = qt.launching_op(name, device, op)
-        if qt.in_fp8_gemm(region, op_name):
+        op_name = kernel_kinds.launching_op(name, device, op)
+        if kernel_kinds.in_fp8_gemm(region, op_name):
             return "FP8 projection GEMMs"
         if region in REGIONS:
             return REGIONS[region]
-        if op_name in qt.GEMM_OPS:
-            return "attention" if qt.gemm_of_activations(op) else "fp16 GEMMs"
-        return "other" if device == "cpu" else qt.group_by_name(name, GPTNeo.kernel_patterns)
+        if op_name in kernel_kinds.GEMM_OPS:
+            return "attention" if kernel_kinds.gemm_of_activations(op) else "fp16 GEMMs"
+        return "other" if device == "cpu" else kernel_kinds.group_by_name(name, GPTNeo.kernel_patterns)
 
     @staticmethod
     def transforms() -> dict[str, Any]:

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from quantstudy import kernel_kinds
 from quantstudy.families import base, register
 
 log = logging.getLogger("quantstudy")
@@ -520,20 +521,18 @@ class TimmXcit:
         weight) are fp16 linears. Compiled code and exported graphs keep no regions, hence the ops
         and then the kernel names.
         """
-        from quantstudy import timing as qt
-
-        op_name = qt.launching_op(name, device, op)
-        if qt.in_fp8_gemm(region, op_name):
+        op_name = kernel_kinds.launching_op(name, device, op)
+        if kernel_kinds.in_fp8_gemm(region, op_name):
             return "FP8 GEMMs"
         if region in REGIONS:
             return REGIONS[region]
         if op_name and CONV_OPS.search(op_name):
             return "convolutions"
-        if op_name in qt.GEMM_OPS:
-            return "attention" if qt.gemm_of_activations(op) else "fp16 GEMMs"
+        if op_name in kernel_kinds.GEMM_OPS:
+            return "attention" if kernel_kinds.gemm_of_activations(op) else "fp16 GEMMs"
         if op_name and ATTENTION_OPS.search(op_name):  # the fused class attention, whichever kernel runs it
             return "attention"
-        return "other" if device == "cpu" else qt.group_by_name(name, TimmXcit.kernel_patterns)
+        return "other" if device == "cpu" else kernel_kinds.group_by_name(name, TimmXcit.kernel_patterns)
 
     @staticmethod
     def transforms() -> dict[str, Any]:

@@ -15,8 +15,9 @@ modules, variant transforms or backend. Per family:
 - deformable_detr: DeformableDetrForObjectDetection's forward as it is (plain.deformable_detr).
 
 A family has a plain implementation when this package has a module of its name (`names()`), as a
-backend is a `<name>_backend` module. Each module names the prefix its model puts before the
-project's layer names (LAYER_PREFIX), so that the FP8 layers can be paired one by one. A plain
+backend is a `<name>_backend` module; the module is the implementation (`Implementation`, checked as
+it loads by quantstudy.registry). Each module names the prefix its model puts before the project's
+layer names (LAYER_PREFIX), so that the FP8 layers can be paired one by one. A plain
 model is built from what the project's build of the variant says it computes (build.json: precision,
 transforms, FP8 layers with their amax, dequantize dtype, calls kept out of FP8); a transform the
 plain model does not implement is refused, not ignored.
@@ -24,10 +25,25 @@ plain model does not implement is refused, not ignored.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection, Protocol
+
+from quantstudy import families, registry
+
+
+class Implementation(Protocol):
+    """What a plain module declares, as module attributes."""
+
+    LAYER_PREFIX: str  # what its model puts before the project's layer names
+    GRAPHS: Collection[str]  # the project graphs it has a plain model of
+    EXTRA_TRANSFORMS: set[str]  # the variant transforms beside fp8 that it implements
+
+    def model(self, checkpoint, setting, variant: "Variant", device: str, graph: str) -> Any:
+        """The plain fp16 model of one graph: forward(**inputs) -> {output: tensor}."""
+
+
+IMPLEMENTATIONS: registry.Registry[Implementation] = registry.Registry(
+    "plain implementation", __name__, Implementation, helpers=("fp8",), modules=True)
 
 
 @dataclass(frozen=True)
@@ -49,15 +65,13 @@ class Variant:
 
 def names() -> list[str]:
     """The registered families with a plain implementation: a module of this package named after one."""
-    from quantstudy import families
-
-    return sorted(set(families.names()) & {i.name for i in pkgutil.iter_modules(__path__)})
+    return sorted(set(families.names()) & set(IMPLEMENTATIONS.declared()))
 
 
-def _implementation(family: str):
+def _implementation(family: str) -> Implementation:
     if family not in names():
         raise KeyError(f"no plain implementation of {family!r}; there are {', '.join(names())}")
-    return importlib.import_module(f"{__name__}.{family}")
+    return IMPLEMENTATIONS.get(family)
 
 
 def layer_prefix(family: str) -> str:

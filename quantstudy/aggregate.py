@@ -590,6 +590,23 @@ def inputs_of(tables_doc: dict[str, Any]) -> dict[str, list[str]]:
     return inputs
 
 
+def reference_rows(paths: list[str], settings: dict[str, dict[str, int]], damaged: list[dict[str, str]]) -> list[dict]:
+    """One row per reference.json: its model, setting (and the setting's shape), the dtype the file records
+    the reference ran in (the Method names it, never a default), its metrics' columns and its path."""
+    return [{"model": r["model"], "setting": r["setting"], **settings[r["setting"]], "dtype": r.get("dtype"),
+             **flatten(r["blocks"]), "source": p} for p, r in _readable(paths, "reference", damaged)]
+
+
+SPEC_KEYS = ("models", "settings", "datasets", "samples", "evaluation_samples", "recipe", "variants", "baseline",
+             "candidate", "reference_dtype", "timing", "evaluation", "metrics", "decision", "quality_against")
+
+
+def spec_of(study: dict[str, Any]) -> dict[str, Any]:
+    """The part of the study's config that tables.json carries for the templates: everything the
+    Method and the verdict describe (config.py gives each key its default, so none is missing)."""
+    return {k: study[k] for k in SPEC_KEYS}
+
+
 def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[str, str], run: dict[str, Any],
            targets: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The study's tables from its input files (by kind: timings, qualities, builds, ...): tables.json
@@ -603,8 +620,7 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
     kernel_files = _readable(inputs["kernels"], "kernels", [])
     kernel_docs = [doc for _, doc in kernel_files]
     settings = {name: shape_of(s) for name, s in study["settings"].items()}
-    references = [{"model": r["model"], "setting": r["setting"], **settings[r["setting"]], **flatten(r["blocks"]),
-                   "source": p} for p, r in _readable(inputs["references"], "reference", damaged)]
+    references = reference_rows(inputs["references"], settings, damaged)
     amax = [a | {"source": p} for p, a in _readable(inputs["amax"], "amax", damaged)]
     checkpoints = [c | {"source": p} for p, c in _readable(inputs["checkpoints"], "checkpoint", damaged)]
     samples = sample_lists(_readable(inputs["samples"], "samples", damaged), study)
@@ -654,9 +670,7 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
         "bound": {"at_limit": threshold, "definition": bound.DEFINITION,
                   "f_bases": {t: sorted({r["f_basis"] for r in _records(speed) if r.get("target") == t and r.get("f_basis")})
                               for t in targets}},
-        "spec": {k: study[k] for k in ("models", "settings", "datasets", "samples", "evaluation_samples", "recipe",
-                                       "variants", "baseline", "candidate", "timing", "evaluation", "metrics",
-                                       "decision", "quality_against")},
+        "spec": spec_of(study),
         "checkpoints": [{k: c[k] for k in ("repo", "revision", "weights", "source")} for c in checkpoints],
         "samples": samples,
         "speed": _records(speed), "quality": _records(quality), "builds": _records(builds),

@@ -282,7 +282,7 @@ def view(t: dict[str, Any], docs: str = "../../docs/reading-a-study.md", repo: s
         "profile_agreement": bound.PROFILE_AGREEMENT, "failures": failures, "damaged": t.get("damaged", []),
         "gpus": sorted({r["gpu"] for r in t["speed"]}), "decision": t["decision"],
         "variant_summary": variant_summary, "speed_of": speed_of, "build_of": builds, "references": references,
-        "several_graphs": len(graphs) > 1,
+        "several_graphs": len(graphs) > 1, "reference_dtype": reference_dtype(t),
         "published": _published_view(t),
         "plot": PLOT, "main_quality": main_quality_condition(spec["decision"]), "verdict": verdict(t),
         "docs": docs, "repo_link": lambda path: f"{repo}/{path}",
@@ -309,6 +309,13 @@ def _samples_view(t: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: {"name": name, "count": s["count"], "kind": s["kind"], "split": s["split"], "source": None,
                    "dataset": spec["datasets"][s["dataset"]]["repo"],
                    "revision": spec["datasets"][s["dataset"]]["revision"]} for name, s in spec["samples"].items()}
+
+
+def reference_dtype(t: dict[str, Any]) -> str | None:
+    """The dtype the PyTorch reference ran in, as its reference.json files record it (each reference row's
+    `dtype`); tables written before the rows kept it: the study's `reference_dtype`; older still: None."""
+    recorded = sorted({r["dtype"] for r in t["references"] if r.get("dtype")})
+    return " and ".join(recorded) if recorded else t["spec"].get("reference_dtype")
 
 
 def within_job_noise(row: dict[str, Any]) -> bool:

@@ -367,3 +367,35 @@ def test_a_condition_straddling_its_threshold_is_rendered_within_the_noise():
     assert f"The verdict rests on 1 condition within the noise of this run ({c['name']})" in section
     # the others keep their met / not met
     assert f"- **{'met' if tables['decision']['conditions'][0]['pass'] else 'not met'}: " in section
+
+
+def test_gpt_neos_method_names_the_dtype_its_reference_files_record():
+    """Issue 41, item 1: GPT-Neo's reference runs in bf16 (the write-up's "GPTNeoForCausalLM in bf16").
+    The committed evidence's reference.json files record the dtype they ran in; the rows aggregate makes
+    of them carry it, and the Method and the quality table name it, never a default of float32. The
+    spec aggregate copies carries the study's reference_dtype too."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from quantstudy import aggregate, artifacts, config as qc
+
+    from conftest import ROOT
+
+    evidence = ROOT / "results/h200-gpt-neo/gpt_neo"
+    tables = artifacts.read_json(evidence / "results/gpt_neo/tables.json", "tables")
+    paths = sorted(str(p) for p in evidence.glob("results/gpt_neo/*/*/reference.json"))
+    recorded = {json.loads(Path(p).read_text())["dtype"] for p in paths}
+    assert recorded == {"bfloat16"}
+    settings = {name: qc.shape_of(s) for name, s in tables["spec"]["settings"].items()}
+    tables["references"] = aggregate.reference_rows(paths, settings, [])
+    lines = render.render_section(tables).splitlines()
+    method = [line for line in lines if line.startswith("- Reference: Transformers `GPTNeoForCausalLM`")]
+    assert len(method) == 1 and " in bfloat16 (eager attention)" in method[0]
+    assert not [line for line in lines if re.search(r"PyTorch (float32|fp32)\b", line)]
+    assert [line for line in lines if line.startswith("| WikiText-2 perplexity (PyTorch bfloat16: ")]
+
+    configured = yaml.safe_load((ROOT / "config/studies/gpt_neo.yaml").read_text())["reference_dtype"]
+    study = qc.load_study(ROOT / "config/studies/gpt_neo.yaml", [ROOT / "config/tiny/gpt_neo.yaml"], against_code=False).raw
+    assert aggregate.spec_of(study)["reference_dtype"] == configured == "bfloat16"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import yaml
@@ -243,3 +244,60 @@ def test_flagged_and_unreproduced_rows_are_marked():
             "not reproduced here: target b300-trt11.4 is not in this run |") in lines
     assert any("not reproduced here: no row of target b200-trt11.4, model fnet-base, setting w512, variant fp8 in this run"
                in line for line in lines)
+
+
+# --- a threshold's basis quotes its write-up exactly ------------------------------------------
+
+SEEDS = next((p for p in (ROOT.parent / "shared" / "seeds", ROOT / "shared" / "seeds") if p.is_dir()), None)
+BASES = [(path.stem, c) for path in sorted((ROOT / "config/studies").glob("*.yaml"))
+         for c in (yaml.safe_load(path.read_text()).get("decision") or {}).get("conditions", []) if c.get("basis")]
+# A range the basis quotes, in x or %, and what follows it up to the next clause: its qualifiers.
+QUOTED_RANGE = re.compile(r"(\d+(?:\.\d+)?)(x|%) to (\d+(?:\.\d+)?)\2([^,;()]*)")
+
+
+def _qualified(entries: list[dict], qualifiers: str) -> list[dict]:
+    """The published cells a range's qualifiers select: `on B200` by the row the write-up prints,
+    `TensorRT 11.4` by its row, `level 1` by its column."""
+    for gpu in re.findall(r"\bB[23]00\b", qualifiers):
+        entries = [e for e in entries if gpu in e["source"]["row"].split(" | ")]
+    for version in re.findall(r"TensorRT (\d+\.\d+)", qualifiers):
+        entries = [e for e in entries if version in e["source"]["row"].split(" | ")]
+    for level in re.findall(r"level \d", qualifiers):
+        entries = [e for e in entries if level in e["source"]["column"]]
+    return entries
+
+
+@pytest.mark.parametrize("study, condition", BASES, ids=[f"{s}: {c['name']}" for s, c in BASES])
+def test_a_basis_quotes_its_write_ups_numbers_exactly(study, condition):
+    """Issue 41, item 4: a threshold's basis that quotes the write-up quotes it exactly. Each range it
+    gives in x or % (with its qualifiers: GPU, TensorRT version, builder level) is the whole range of
+    the cells the published transcription has of the condition's column, for one variant; each quoted
+    sentence ('...') is in the write-up's text, word for word, where shared/seeds is at hand."""
+    spec = yaml.safe_load((ROOT / f"config/studies/{study}.yaml").read_text())
+    published = qc.load_published(ROOT / spec["published"])
+    rows = condition.get("rows") or {}
+    entries = [e for e in published["entries"] if e["column"] == condition["column"]
+               and all(e.get(k) in (None, v) for k, v in rows.items() if k in qc.PUBLISHED_KEYS)]
+    basis = condition["basis"]
+    for low, unit, high, qualifiers in QUOTED_RANGE.findall(basis):
+        cells = _qualified(entries, qualifiers)
+        if not cells:  # a range of another column (a summary, a ratio): quoted from the text below
+            continue
+        ranges = {}
+        for e in cells:
+            ranges.setdefault(e["variant"], []).append(e["min"])
+        assert (float(low), float(high)) in {(min(v), max(v)) for v in ranges.values()}, (
+            f"{study}: the basis of {condition['name']!r} quotes {low}{unit} to {high}{unit}{qualifiers}, but the "
+            f"write-up's cells of {condition['column']} there are " + "; ".join(
+                f"{variant}: {', '.join(sorted(e['printed'][0] for e in cells if e['variant'] == variant))}"
+                for variant in ranges))
+    if SEEDS is None:
+        return
+    text = " ".join((SEEDS / published["seed"]).read_text().split())
+    for quote in re.findall(r"(?<![\w])'([^']+)'(?![\w])", basis):
+        assert " ".join(quote.split()) in text, f"{study}: {quote!r} is not in {published['seed']}"
+    for low, unit, high, _ in QUOTED_RANGE.findall(basis):
+        if not _qualified(entries, _):
+            assert f"{low}{unit} to {high}{unit}" in text, (
+                f"{study}: the basis quotes {low}{unit} to {high}{unit}, which is neither a range of the published "
+                f"cells of {condition['column']} nor in {published['seed']}")

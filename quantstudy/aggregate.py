@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 import pandas as pd
 
-from quantstudy import bound, compare, timing
+from quantstudy import artifacts, bound, compare, timing
 from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, sha256_file, write_json
 from quantstudy.config import PUBLISHED_KEYS, UNIT_SCALE, calibration_sample_sets, load_published, shape_of
 from quantstudy.families.base import measured_against
@@ -650,6 +650,10 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
     profiles = {(r["target"], r["model"], r["setting"], r.get("graph") or "main", r["variant"]): r
                 for r in _records(kernels)} if len(kernels) else {}
     noise = timing.timing_noise([doc for _, doc in _readable(inputs["timings"], "timing", [])])
+    # The devices the jobs that built, timed, profiled and evaluated the engines ran on, as their JSONs record.
+    ran_on = artifacts.devices(doc for kind, schema in (("builds", "build"), ("timings", "timing"),
+                                                        ("kernels", "kernels"), ("qualities", "quality"))
+                               for _, doc in _readable(inputs[kind], schema, []))
     if len(speed):
         speed = _with_x_intervals(speed, noise)
         speed = _with_bounds(speed, gemms, {(d["target"], d["model"], d["setting"], d["variant"]): (p, d)
@@ -675,7 +679,7 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
         "samples": samples,
         "speed": _records(speed), "quality": _records(quality), "builds": _records(builds),
         "kernels": _records(kernels), "records": _records(records), "references": references, "calibration": calibration,
-        "timing_noise": noise,
+        "timing_noise": noise, "devices": ran_on,
         "decision": decide(study, {"speed": speed, "quality": quality}, baselines, noise), "damaged": damaged,
         "published": published_rows,
         "published_from": None if published is None else {k: published[k] for k in ("file", "seed", "weights", "runs",

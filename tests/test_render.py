@@ -399,3 +399,53 @@ def test_gpt_neos_method_names_the_dtype_its_reference_files_record():
     configured = yaml.safe_load((ROOT / "config/studies/gpt_neo.yaml").read_text())["reference_dtype"]
     study = qc.load_study(ROOT / "config/studies/gpt_neo.yaml", [ROOT / "config/tiny/gpt_neo.yaml"], against_code=False).raw
     assert aggregate.spec_of(study)["reference_dtype"] == configured == "bfloat16"
+
+
+def test_a_runs_banner_names_the_device_its_jobs_record_not_its_configs_note():
+    """Issue 41, item 11: the committed XCiT run of 2026-12-05 ran under config/h200.yaml, whose note said
+    "on one H200", on an H100. The banner and the verdict name the card the jobs' JSONs record (tables
+    written before aggregate kept `devices` read it from the files kept beside the README) and say that
+    the note names a card no job ran on; a run's note in config names no card."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    folder = ROOT / "results/h200-build-once/xcit-h100/results/timm_xcit"
+    timings = sorted(folder.glob("h200-torch/*/*/*/timing.json"))
+    recorded = {json.loads(p.read_text())["provenance"]["hardware"]["gpu_system"]["name"] for p in timings}
+    assert recorded == {"NVIDIA H100 80GB HBM3"} and len(timings) == 8
+    tables = artifacts.read_json(folder / "tables.json", "tables")
+    assert "on one H200" in tables["run"]["note"] and "devices" not in tables
+
+    def banner_and_verdict(lines):
+        return (next(line for line in lines if line.startswith("> **")),
+                next(line for line in lines if line.startswith("**Do not ship") or line.startswith("**Ship")))
+
+    lines = render.render_section(tables, folder / "README.md").splitlines()
+    banner, verdict = banner_and_verdict(lines)
+    assert lines[lines.index(banner) + 1] == ""  # the quote ends with its line
+    assert banner.startswith("> **real-size-random-init run `h200-torch`, on NVIDIA H100 80GB HBM3 (")
+    assert banner.endswith("**The note names H200, but no job of this run ran on it.**")
+    assert "measured on NVIDIA H100 80GB HBM3 against fp16" in verdict
+
+    # Tables that record their devices (aggregate counts them from the jobs' JSONs) need no file beside them.
+    docs = [json.loads(p.read_text()) for p in timings]
+    assert artifacts.devices(docs) == [{"device": "NVIDIA H100 80GB HBM3", "jobs": 8}]
+    tables["devices"] = [{"device": "NVIDIA H100 80GB HBM3", "jobs": 8}]
+    banner, verdict = banner_and_verdict(render.render_section(tables).splitlines())
+    assert banner.startswith("> **real-size-random-init run `h200-torch`, on NVIDIA H100 80GB HBM3 (8 jobs), as its "
+                             "jobs' provenance records.**")
+    assert "measured on NVIDIA H100 80GB HBM3 against fp16" in verdict
+    # The same run on the H200 it was meant for: no contradiction to flag.
+    tables["devices"] = [{"device": "NVIDIA H200", "jobs": 8}]
+    banner, _ = banner_and_verdict(render.render_section(tables).splitlines())
+    assert "on NVIDIA H200 (8 jobs)" in banner and "The note names" not in banner
+
+    for run_config in sorted(Path(ROOT / "config").glob("*.yaml")):
+        note = (yaml.safe_load(run_config.read_text()).get("run") or {}).get("note") or ""
+        assert not render.CARD.findall(note), f"{run_config.name}'s note names a card: {render.CARD.findall(note)}"

@@ -545,6 +545,7 @@ def compare_published(published: dict[str, Any], tables: dict[str, list[dict[str
         row = {"table": e["table"], "column": e["column"], **{k: e[k] for k in PUBLISHED_KEYS},
                "units": e["units"], "kind": e["kind"], **{f"tolerance_{k}": v for k, v in e["tolerance"].items()},
                "printed": e["printed"], "published_min": e["min"], "published_max": e["max"], "note": e["note"],
+               "differs": [d["how"] for d in published.get("differs", []) if e["column"] in d["columns"]],
                "published_source": e["source"], "source": None, "reproduced_from": [],
                "sources": {"published_min": published["file"], "published_max": published["file"]},
                "status": "not reproduced here", "reason": None, "reproduced_min": None, "reproduced_max": None,
@@ -683,4 +684,4 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
         "decision": decide(study, {"speed": speed, "quality": quality}, baselines, noise), "damaged": damaged,
         "published": published_rows,
         "published_from": None if published is None else {k: published[k] for k in ("file", "seed", "weights", "runs",
-                                                                                      "tolerances")}}
+                                                                                      "tolerances", "differs")}}

@@ -171,6 +171,9 @@ def verdict(t: dict[str, Any]) -> list[dict[str, Any]]:
             "baseline": base and {"variants": base["variants"], "met": base["pass"], "observed": shown(base["observed"])},
             "threshold": f"{COMPARE_WORDS.get(c.get('compare'), c.get('compare') or '')} {threshold}".strip(),
             "basis": c.get("basis"), "note": c.get("note"),
+            # Measured otherwise than the write-up did (config/published `differs`): said beside the basis.
+            "differs": [d["how"] for d in (t.get("published_from") or {}).get("differs", [])
+                        if c.get("column") in d["columns"]],
             "setting": (c.get("rows") or {}).get("setting")})
     return lines
 
@@ -360,6 +363,7 @@ def _published_view(t: dict[str, Any]) -> dict[str, Any] | None:
     reproduced = [r for r in rows if r["status"] == "reproduced"]
     reasons = {r["reason"] for r in rows if r["status"] != "reproduced"}
     return {"from": t["published_from"], "n": len(rows), "reproduced": len(reproduced),
+            "differs": t["published_from"].get("differs", []),
             "beyond": sum(bool(r["beyond_tolerance"]) for r in reproduced),
             "reason": next(iter(reasons)) if len(reasons) == 1 and not reproduced else None,
             "groups": [{"section": s, "title": title, "rows": g} for (s, title), g in groups.items()]}

@@ -301,3 +301,47 @@ def test_a_basis_quotes_its_write_ups_numbers_exactly(study, condition):
             assert f"{low}{unit} to {high}{unit}" in text, (
                 f"{study}: the basis quotes {low}{unit} to {high}{unit}, which is neither a range of the published "
                 f"cells of {condition['column']} nor in {published['seed']}")
+
+
+def test_detrs_held_out_metrics_say_wherever_compared_that_they_are_not_on_the_write_ups_pixels():
+    """Issue 41, item 6: DETR's held-out images are a seeded shuffle, resized without keeping their aspect;
+    the write-up's were taken at a fixed stride. Its published file says so (`differs`), and the README
+    says it beside every published AP and correlation, under the published numbers, and in the verdict
+    of the AP-drop condition, on the committed H200 evidence with its published numbers compared as
+    aggregate compares them: once as the run is (weights that reproduce nothing), once as a run of the
+    write-up's weights whose every row is compared."""
+    path = ROOT / "results/h200-deformable-detr/run-2026-12-05/results/deformable_detr/tables.json"
+    published = qc.load_published("config/published/deformable_detr.yaml")
+    doc = yaml.safe_load((ROOT / "config/published/deformable_detr.yaml").read_text())
+    [differs] = doc["differs"]
+    assert {"heldout.ap", "heldout_vs_fp16.ap_drop"} <= set(differs["columns"])
+    how = " ".join(differs["how"].split())
+    assert "seeded shuffle" in how and "aspect ratio" in how and '"at a fixed stride"' in how
+    for weights in ("real-size-random-init", "checkpoint"):
+        t = json.loads(path.read_text())
+        t["run"]["weights"] = weights
+        t["published"] = aggregate.compare_published(
+            published, {k: t[k] for k in ("speed", "quality", "builds", "kernels", "references")}, weights,
+            t["targets"])
+        t["published_from"] = {
+            k: published[k] for k in ("file", "seed", "weights", "runs", "tolerances", "differs")}
+        assert [r["column"] for r in t["published"] if r["differs"]] == ["heldout.ap"] * 6 + ["heldout.ap"] + [
+            "heldout_vs_fp16.logit_correlation"]
+        lines = render.render_section(t).splitlines()
+        flagged = [line for line in lines if line.startswith("**Measured otherwise than the write-up** ")]
+        assert len(flagged) == 1 and flagged[0].endswith(how)
+        drop = next(line for line in lines if line.startswith("- **") and "COCO AP drop" in line)
+        assert drop.endswith(f"**Not the write-up's measurement:** {how}")
+        assert not [line for line in lines if line.startswith("- **") and "speedup" in line and "Not the write-up" in line]
+        table = [line for line in lines if line.startswith("| Validation (the PR description): ")]
+        if table:  # the run of the write-up's weights: each held-out number's row is marked
+            ap_rows = [line for line in table if "/ AP" in line or "logit correlation" in line]
+            assert ap_rows and all("(**measured otherwise**: below)" in line for line in ap_rows)
+            assert not [line for line in table if "(**measured otherwise**" in line and " ms " in line]
+
+
+def test_a_differs_column_that_nothing_compares_is_an_error_at_load(tmp_path):
+    published = published_doc()
+    published["differs"] = [{"columns": ["mlm.top1_agreemnt"], "how": "a typo flags nothing"}]
+    with pytest.raises(qc.ConfigError, match="differs names column 'mlm.top1_agreemnt', which no published number"):
+        load_fnet_with(published, tmp_path)

@@ -684,4 +684,4 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
         "decision": decide(study, {"speed": speed, "quality": quality}, baselines, noise), "damaged": damaged,
         "published": published_rows,
         "published_from": None if published is None else {k: published[k] for k in ("file", "seed", "weights", "runs",
-                                                                                      "tolerances", "differs")}}
+                                                                                      "tolerances", "differs", "left_out")}}

@@ -685,7 +685,7 @@ def load_published(path: str | Path) -> dict[str, Any]:
     if problems:
         raise ConfigError(f"invalid published numbers ({path}):\n" + "\n".join(f"  {p}" for p in problems))
     return {"file": str(path), **{k: doc[k] for k in ("study", "seed", "weights", "runs", "tolerances")},
-            "differs": doc.get("differs", []), "entries": entries}
+            "differs": doc.get("differs", []), "left_out": doc["left_out"], "entries": entries}
 
 
 def _published_problems(published: dict[str, Any], docs: list[dict[str, Any]], study: str) -> list[str]:

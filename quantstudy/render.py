@@ -363,7 +363,7 @@ def _published_view(t: dict[str, Any]) -> dict[str, Any] | None:
     reproduced = [r for r in rows if r["status"] == "reproduced"]
     reasons = {r["reason"] for r in rows if r["status"] != "reproduced"}
     return {"from": t["published_from"], "n": len(rows), "reproduced": len(reproduced),
-            "differs": t["published_from"].get("differs", []),
+            "differs": t["published_from"].get("differs", []), "left_out": t["published_from"].get("left_out", []),
             "beyond": sum(bool(r["beyond_tolerance"]) for r in reproduced),
             "reason": next(iter(reasons)) if len(reasons) == 1 and not reproduced else None,
             "groups": [{"section": s, "title": title, "rows": g} for (s, title), g in groups.items()]}

@@ -460,6 +460,21 @@ def relative(frame: pd.DataFrame, column: str, other: str, candidate: str) -> pd
     return joined.drop(columns="_other")
 
 
+def with_ratio(frame: pd.DataFrame, column: str, other: str) -> pd.DataFrame:
+    """Every row with the column `<column> / <other>` that `relative` gives the candidate's: its value over
+    variant `other`'s on the same row key, on every variant's row (NaN where `other` has no ok row). A
+    published ratio (GPT-Neo's "KL 8 times the floor") is compared with it, and `audit chain` traces it."""
+    if column not in frame or not len(frame):
+        return frame
+    keys = [k for k in ROW_KEYS if k in frame]
+    theirs = frame[(frame.variant == other) & (frame.status == "ok" if "status" in frame else True)]
+    theirs = theirs[keys + [column]].drop_duplicates(keys).rename(columns={column: "_other"})
+    joined = frame.merge(theirs, on=keys, how="left")
+    frame = frame.copy()
+    frame[f"{column} / {other}"] = (joined[column] / joined["_other"]).to_numpy()
+    return frame
+
+
 def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame], baselines: dict[str, str],
            noise: dict[str, Any] | None = None) -> dict[str, Any]:
     """Apply the study's decision rule to the candidate variant's rows; every condition is shown.
@@ -635,6 +650,10 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
     by_ref = {(r["model"], r["setting"]): r for r in references}
     for col in sorted({k for r in references for k in r if "." in k}):
         quality[f"reference.{col}"] = [by_ref.get((m, s), {}).get(col) for m, s in zip(quality.model, quality.setting)]
+    # A relative condition's column on every row of its table (GPT-Neo: each variant's KL over fp16's).
+    for c in study["decision"]["conditions"]:
+        if c.get("relative_to") and c["table"] == "quality":
+            quality = with_ratio(quality, c["column"], c["relative_to"])
     # The Amdahl bound beside every x: g from gemm.json, f from the baseline's kernels.json.
     gemms: dict[tuple, tuple[str, dict | None]] = {}
     for path in inputs.get("gemms", []):

@@ -336,8 +336,9 @@ def test_detrs_held_out_metrics_say_wherever_compared_that_they_are_not_on_the_w
             t["targets"])
         t["published_from"] = {
             k: published[k] for k in ("file", "seed", "weights", "runs", "tolerances", "differs")}
-        assert [r["column"] for r in t["published"] if r["differs"]] == ["heldout.ap"] * 6 + ["heldout.ap"] + [
-            "heldout_vs_fp16.logit_correlation"]
+        held_out = [r for r in t["published"] if r["column"].startswith("heldout")]
+        assert len(held_out) >= 11 and all(r["differs"] == [differs["how"]] for r in held_out)
+        assert not [r for r in t["published"] if r["differs"] and r not in held_out]
         lines = render.render_section(t).splitlines()
         flagged = [line for line in lines if line.startswith("**Measured otherwise than the write-up** ")]
         assert len(flagged) == 1 and flagged[0].endswith(how)
@@ -362,7 +363,8 @@ ALL_STUDIES = ("fnet", "deberta_v2", "timm_xcit", "gpt_neo", "deformable_detr")
 # The write-up numbers issue 41 found neither transcribed nor listed as left out (items 2 and 3).
 UNLISTED_IN_ISSUE_41 = {
     "deformable_detr": ["9.7", "8.0", "0.04", "0.11", "0.5", "7.4", "16.2", "1%", "3%", "0.01", "0.409", "0.073",
-                        "0.984", "0.986", "0.974", "0.975", "0.19", "0.21", "2.1", "4.3", "5.5", "-1.0"],
+                        "0.984", "0.986", "0.974", "0.975", "0.19", "0.21", "2.1", "4.3", "5.5", "-1.0",
+                        "0.4639", "0.4637"],
     "gpt_neo": ["0.0913", "0.98", "1.01", "22"],
     "deberta_v2": ["14", "58", "26", "118", "+0.35"],
 }

@@ -452,10 +452,12 @@ def shown_hits(tables: dict[str, Any], readme: str | Path, text: str, hits: list
 
     shown = [h for h in hits if changes_the_page([h])]
     # Cells printed together as one number (a range whose two ends are equal): each alone changes nothing.
+    # Of such a group, those the page needs: without changing one of them, the rest no longer change it.
     for value in dict.fromkeys(h["value"] for h in hits):
         group = [h for h in hits if h["value"] == value and h not in shown]
         if len(group) > 1 and not any(h["value"] == value for h in shown) and changes_the_page(group):
-            shown += group
+            needed = [h for h in group if not changes_the_page([g for g in group if g is not h])]
+            shown += needed or group
     return [h for h in hits if h in shown]
 
 

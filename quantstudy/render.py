@@ -558,7 +558,7 @@ def _rst(text: str) -> str:
 
 def run_kind(run: dict[str, Any], devices_text: str = "") -> str:
     """What kind of run the numbers come from, in a line: its name, its weights, the devices its jobs
-    record (`devices_text`, ran_on's text) and its note."""
+    record (`devices_text`) and its note."""
     weights = "the real checkpoints" if run["weights"] == "checkpoint" else f"{run['weights']} weights"
     on = f", on {devices_text}" if devices_text else ""
     return f"Run {run['name']} ({weights}{on}). {run.get('note') or ''}".strip()
@@ -570,7 +570,9 @@ def front_page(tables_jsons: list[str | Path], out: str | Path) -> None:
     random-init models decides nothing about the real checkpoints), then one line per study: its
     decision and the conditions it does not meet. Each condition's full verdict is its README's."""
     docs = [read_json(path, "tables") for path in tables_jsons]
-    kinds = list(dict.fromkeys(run_kind(t["run"], ran_on(t)["text"]) for t in docs))
+    # The devices by name only: one line for a run whose studies ran on the same devices.
+    kinds = list(dict.fromkeys(run_kind(t["run"], ", ".join(sorted({d["device"] for d in ran_on(t)["devices"] or []})))
+                               for t in docs))
     lines = [f"**{_rst(kind)}**" for kind in kinds] + [""]
     for t in docs:
         d, verdicts = t["decision"], verdict(t)

@@ -449,3 +449,27 @@ def test_a_runs_banner_names_the_device_its_jobs_record_not_its_configs_note():
     for run_config in sorted(Path(ROOT / "config").glob("*.yaml")):
         note = (yaml.safe_load(run_config.read_text()).get("run") or {}).get("note") or ""
         assert not render.CARD.findall(note), f"{run_config.name}'s note names a card: {render.CARD.findall(note)}"
+
+
+def test_the_front_page_names_the_devices_the_jobs_record_once_per_run(tmp_path):
+    """The report's front page line of a run names the devices its studies' jobs record, by name (not a
+    count per study), so a run whose studies all ran on one card has one line."""
+    import json
+
+    from quantstudy import artifacts
+
+    from conftest import ROOT
+
+    paths = []
+    for i, study in enumerate(("results/h200-gpt-neo/gpt_neo/results/gpt_neo", "results/h200-build-once/xcit/results/timm_xcit")):
+        doc = json.loads((ROOT / study / "tables.json").read_text())
+        doc["devices"] = [{"device": "NVIDIA H100 80GB HBM3", "jobs": 10 + i}]
+        doc["run"] = {**doc["run"], "note": "A note that names no card."}
+        body = {k: v for k, v in doc.items() if k not in ("schema", "schema_version", "content_sha256")}
+        artifacts.write_json(tmp_path / f"{i}.json", "tables", body)
+        paths.append(tmp_path / f"{i}.json")
+    out = tmp_path / "decisions.rst"
+    render.front_page(paths, out)
+    lines = out.read_text().splitlines()
+    assert lines[0] == "**Run h200-torch (real-size-random-init weights, on NVIDIA H100 80GB HBM3). A note that names no card.**"
+    assert lines[1] == ""

@@ -339,10 +339,11 @@ def find_number(tables: dict[str, Any], text: str) -> list[dict[str, Any]]:
                     label = row_label(row)
                     if row.get("published_source"):
                         label += " (published as {row} / {column})".format(**row["published_source"])
+                    how, others = arithmetic(tables[table], row, column)
                     hits.append({"table": table, "row": label, "column": column, "value": value,
                                  "source": (row.get("sources") or {}).get(column, row.get("source")),
-                                 "where": (table, tables[table].index(row), column),
-                                 "arithmetic": arithmetic(tables, row, column)})
+                                 "also_from": others, "where": (table, tables[table].index(row), column),
+                                 "arithmetic": how})
     for i, c in enumerate((tables.get("decision") or {}).get("conditions", [])):
         observed = c.get("observed")
         for end, value in (observed.items() if isinstance(observed, dict) else [("value", observed)]):
@@ -376,15 +377,23 @@ def row_label(row: dict[str, Any]) -> str:
 DERIVED = {"x": ("baseline_ms", "variant_ms")}
 
 
-def arithmetic(tables: dict[str, Any], row: dict[str, Any], column: str) -> str | None:
-    """How a derived cell is made from its row's others, with their values: `x = baseline_ms / variant_ms =
-    2.767 / 5.682 = 0.487`; None for a measured one."""
+def arithmetic(rows: list[dict[str, Any]], row: dict[str, Any], column: str) -> tuple[str | None, list[str]]:
+    """How a derived cell is made, with the values it is made of, and the other files they come from: x
+    from its row's times (`x = baseline_ms / variant_ms = 2.767 / 5.682 = 0.487`); a ratio to another
+    variant (`wikitext.kl_mean / fp16`, aggregate.with_ratio) from that variant's row on the same key. A
+    measured cell: (None, [])."""
     from quantstudy import render
 
-    if column not in DERIVED or any(row.get(c) is None for c in DERIVED[column]):
-        return None
-    a, b = DERIVED[column]
-    return f"{column} = {a} / {b} = {render.ms(row[a])} / {render.ms(row[b])} = {row[a] / row[b]:.3f}"
+    if column in DERIVED and all(row.get(c) is not None for c in DERIVED[column]):
+        a, b = DERIVED[column]
+        return f"{column} = {a} / {b} = {render.ms(row[a])} / {render.ms(row[b])} = {row[a] / row[b]:.3f}", []
+    base, _, other = column.partition(" / ")
+    theirs = next((r for r in rows if other and r.get("variant") == other and r.get("status", "ok") == "ok"
+                   and all(r.get(k) == row.get(k) for k in ("target", "model", "setting", "graph"))), None)
+    if theirs is None or row.get(base) is None or not theirs.get(base):
+        return None, []
+    return (f"{column} = {render.sci(row[base])} / {other}'s {render.sci(theirs[base])} ({theirs['source']}) = "
+            f"{row[base] / theirs[base]:.4g}", [theirs["source"]])
 
 
 def _observed_arithmetic(tables: dict[str, Any], c: dict[str, Any], end: str, value: float) -> tuple[str, list[str]]:
@@ -551,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"({len(matching) - len(hits)} other cells of {tables_json} format as {args.number!r}; the page shows "
                   "none of them)")
         read_by_tables = {e["path"]: e["sha256"] for e in tables["provenance"]["inputs"].values()}
-        for source in dict.fromkeys(s for h in hits for s in ([h["source"]] if h["source"] else h.get("sources_of", []))):
+        for source in dict.fromkeys(s for h in hits for s in ([h["source"], *h.get("also_from", [])] if h["source"]
+                                                              else h.get("sources_of", []))):
             steps += walk(source, read_by_tables.get(source), str(tables_json) if source in read_by_tables else None)
     print("\n".join(_describe(s) for s in steps))
     broken = [s for s in steps if s.get("problem")]

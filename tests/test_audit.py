@@ -404,3 +404,12 @@ def test_gpt_neos_kl_ratio_on_the_page_is_a_cell_of_tables_json():
     shown = f"{fp8['wikitext.kl_mean / fp16']:.1f}"
     hits = audit.shown_hits(tables, None, shown, audit.find_number(tables, shown))
     assert ("quality", "wikitext.kl_mean / fp16", fp8["source"]) in {(h["table"], h["column"], h["source"]) for h in hits}
+    # Its arithmetic names the fp16 row it is divided by, whose file the chain walks too.
+    from quantstudy import render
+
+    fp16 = next(r for r in tables["quality"] if r["variant"] == "fp16")
+    [cell] = [h for h in hits if h["table"] == "quality"]
+    assert cell["arithmetic"] == (f"wikitext.kl_mean / fp16 = {render.sci(fp8['wikitext.kl_mean'])} / fp16's "
+                                  f"{render.sci(fp16['wikitext.kl_mean'])} ({fp16['source']}) = "
+                                  f"{fp8['wikitext.kl_mean'] / fp16['wikitext.kl_mean']:.4g}")
+    assert cell["also_from"] == [fp16["source"]]

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 import pandas as pd
 
-from quantstudy import bound, compare, paths, timing
+from quantstudy import artifacts, bound, compare, paths, timing
 from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, sha256_file, write_json
 from quantstudy.config import PUBLISHED_KEYS, UNIT_SCALE, calibration_sample_sets, load_published, shape_of
 from quantstudy.families.base import measured_against
@@ -490,6 +490,21 @@ def _ratio_interval(a: float, b: float, of_a: dict[str, Any] | None, of_b: dict[
             "method": "bootstrap of each, combined", "level": of_a["level"]}
 
 
+def with_ratio(frame: pd.DataFrame, column: str, other: str) -> pd.DataFrame:
+    """Every row with the column `<column> / <other>` that `relative` gives the candidate's: its value over
+    variant `other`'s on the same row key, on every variant's row (NaN where `other` has no ok row). A
+    published ratio (GPT-Neo's "KL 8 times the floor") is compared with it, and `audit chain` traces it."""
+    if column not in frame or not len(frame):
+        return frame
+    keys = [k for k in ROW_KEYS if k in frame]
+    theirs = frame[(frame.variant == other) & (frame.status == "ok" if "status" in frame else True)]
+    theirs = theirs[keys + [column]].drop_duplicates(keys).rename(columns={column: "_other"})
+    joined = frame.merge(theirs, on=keys, how="left")
+    frame = frame.copy()
+    frame[f"{column} / {other}"] = (joined[column] / joined["_other"]).to_numpy()
+    return frame
+
+
 def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame], baselines: dict[str, str],
            noise: dict[str, Any] | None = None) -> dict[str, Any]:
     """Apply the study's decision rule to the candidate variant's rows; every condition is shown.
@@ -575,6 +590,7 @@ def compare_published(published: dict[str, Any], tables: dict[str, list[dict[str
         row = {"table": e["table"], "column": e["column"], **{k: e[k] for k in PUBLISHED_KEYS},
                "units": e["units"], "kind": e["kind"], **{f"tolerance_{k}": v for k, v in e["tolerance"].items()},
                "printed": e["printed"], "published_min": e["min"], "published_max": e["max"], "note": e["note"],
+               "differs": [d["how"] for d in published.get("differs", []) if e["column"] in d["columns"]],
                "published_source": e["source"], "source": None, "reproduced_from": [],
                "sources": {"published_min": published["file"], "published_max": published["file"]},
                "status": "not reproduced here", "reason": None, "reproduced_min": None, "reproduced_max": None,
@@ -620,6 +636,23 @@ def inputs_of(tables_doc: dict[str, Any]) -> dict[str, list[str]]:
     return inputs
 
 
+def reference_rows(paths: list[str], settings: dict[str, dict[str, int]], damaged: list[dict[str, str]]) -> list[dict]:
+    """One row per reference.json: its model, setting (and the setting's shape), the dtype the file records
+    the reference ran in (the Method names it, never a default), its metrics' columns and its path."""
+    return [{"model": r["model"], "setting": r["setting"], **settings[r["setting"]], "dtype": r.get("dtype"),
+             **flatten(r["blocks"]), "source": p} for p, r in _readable(paths, "reference", damaged)]
+
+
+SPEC_KEYS = ("models", "settings", "datasets", "samples", "evaluation_samples", "recipe", "variants", "baseline",
+             "candidate", "reference_dtype", "timing", "evaluation", "metrics", "decision", "quality_against")
+
+
+def spec_of(study: dict[str, Any]) -> dict[str, Any]:
+    """The part of the study's config that tables.json carries for the templates: everything the
+    Method and the verdict describe (config.py gives each key its default, so none is missing)."""
+    return {k: study[k] for k in SPEC_KEYS}
+
+
 def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[str, str], run: dict[str, Any],
            targets: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The study's tables from its input files (by kind: timings, qualities, builds, ...): tables.json
@@ -633,8 +666,7 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
     kernel_files = _readable(inputs["kernels"], "kernels", [])
     kernel_docs = [doc for _, doc in kernel_files]
     settings = {name: shape_of(s) for name, s in study["settings"].items()}
-    references = [{"model": r["model"], "setting": r["setting"], **settings[r["setting"]], **flatten(r["blocks"]),
-                   "source": p} for p, r in _readable(inputs["references"], "reference", damaged)]
+    references = reference_rows(inputs["references"], settings, damaged)
     amax = [a | {"source": p} for p, a in _readable(inputs["amax"], "amax", damaged)]
     checkpoints = [c | {"source": p} for p, c in _readable(inputs["checkpoints"], "checkpoint", damaged)]
     samples = sample_lists(_readable(inputs["samples"], "samples", damaged), study)
@@ -648,6 +680,10 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
     by_ref = {(r["model"], r["setting"]): r for r in references}
     for col in sorted({k for r in references for k in r if "." in k}):
         quality[f"reference.{col}"] = [by_ref.get((m, s), {}).get(col) for m, s in zip(quality.model, quality.setting)]
+    # A relative condition's column on every row of its table (GPT-Neo: each variant's KL over fp16's).
+    for c in study["decision"]["conditions"]:
+        if c.get("relative_to") and c["table"] == "quality":
+            quality = with_ratio(quality, c["column"], c["relative_to"])
     # The Amdahl bound beside every x: g from gemm.json, f from the baseline's kernels.json.
     gemms: dict[tuple, tuple[str, dict | None]] = {}
     for path in inputs.get("gemms", []):
@@ -664,6 +700,10 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
     profiles = {(r["target"], r["model"], r["setting"], r.get("graph") or "main", r["variant"]): r
                 for r in _records(kernels)} if len(kernels) else {}
     noise = timing.timing_noise([doc for _, doc in _readable(inputs["timings"], "timing", [])])
+    # The devices the jobs that built, timed, profiled and evaluated the engines ran on, as their JSONs record.
+    ran_on = artifacts.devices(doc for kind, schema in (("builds", "build"), ("timings", "timing"),
+                                                        ("kernels", "kernels"), ("qualities", "quality"))
+                               for _, doc in _readable(inputs[kind], schema, []))
     if len(speed):
         speed = _with_x_intervals(speed, noise)
         speed = _with_bounds(speed, gemms, {(d["target"], d["model"], d["setting"], d["variant"]): (p, d)
@@ -684,15 +724,13 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
         "bound": {"at_limit": threshold, "definition": bound.DEFINITION,
                   "f_bases": {t: sorted({r["f_basis"] for r in _records(speed) if r.get("target") == t and r.get("f_basis")})
                               for t in targets}},
-        "spec": {k: study[k] for k in ("models", "settings", "datasets", "samples", "evaluation_samples", "recipe",
-                                       "variants", "baseline", "candidate", "timing", "evaluation", "metrics",
-                                       "decision", "quality_against")},
+        "spec": spec_of(study),
         "checkpoints": [{k: c[k] for k in ("repo", "revision", "weights", "source")} for c in checkpoints],
         "samples": samples,
         "speed": _records(speed), "quality": _records(quality), "builds": _records(builds),
         "kernels": _records(kernels), "records": _records(records), "references": references, "calibration": calibration,
-        "timing_noise": noise,
+        "timing_noise": noise, "devices": ran_on,
         "decision": decide(study, {"speed": speed, "quality": quality}, baselines, noise), "damaged": damaged,
         "published": published_rows,
         "published_from": None if published is None else {k: published[k] for k in ("file", "seed", "weights", "runs",
-                                                                                      "tolerances")}}
+                                                                                      "tolerances", "differs", "left_out")}}

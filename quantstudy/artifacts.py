@@ -11,6 +11,8 @@ import os
 import platform
 import subprocess
 import tempfile
+from collections import Counter
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,18 @@ def gpu_name(hardware_doc: dict[str, Any]) -> str | None:
     """The GPU a job ran on, as its provenance's `hardware` records it: the driver's name, else torch's;
     None for a job that saw no GPU."""
     return hardware_doc.get("gpu_system", {}).get("name") or hardware_doc.get("gpu")
+
+
+def device_name(hardware_doc: dict[str, Any]) -> str:
+    """The device a job ran on, as its provenance's `hardware` records it: its GPU (gpu_name), else `CPU`."""
+    return gpu_name(hardware_doc) or "CPU"
+
+
+def devices(docs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The devices a set of jobs ran on, as their JSONs' provenance records them: [{device, jobs}],
+    most jobs first. What a README says a run ran on, never a config's note."""
+    counts = Counter(device_name((doc.get("provenance") or {}).get("hardware") or {}) for doc in docs)
+    return [{"device": d, "jobs": n} for d, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
 def gpu_system(uuid: str | None = None) -> dict[str, Any]:

@@ -665,7 +665,7 @@ def load_published(path: str | Path) -> dict[str, Any]:
     if problems:
         raise ConfigError(f"invalid published numbers ({path}):\n" + "\n".join(f"  {p}" for p in problems))
     return {"file": str(path), **{k: doc[k] for k in ("study", "seed", "weights", "runs", "tolerances")},
-            "entries": entries}
+            "differs": doc.get("differs", []), "left_out": doc["left_out"], "entries": entries}
 
 
 def _published_problems(published: dict[str, Any], docs: list[dict[str, Any]], study: str) -> list[str]:
@@ -686,6 +686,10 @@ def _published_problems(published: dict[str, Any], docs: list[dict[str, Any]], s
     known = {"target": targets, "model": [m for d in docs for m in d.get("models") or {}],
              "setting": [s for d in docs for s in d.get("settings") or {}],
              "variant": [v for d in docs for v in d.get("variants") or {}]}
+    compared = {e["column"] for e in published["entries"]} | {
+        c.get("column") for d in docs for c in (d.get("decision") or {}).get("conditions", [])}
+    problems += [f"differs names column {c!r}, which no published number and no decision condition compares: "
+                 "it would flag nothing" for d in published.get("differs", []) for c in d["columns"] if c not in compared]
     for e in published["entries"]:
         for key, names in known.items():
             for name in _names(e[key]):

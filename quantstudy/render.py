@@ -23,7 +23,7 @@ from typing import Any
 import jinja2
 
 from quantstudy import bound, paths
-from quantstudy.artifacts import atomic_write, read_json
+from quantstudy.artifacts import DamagedArtifact, atomic_write, devices, read_json
 from quantstudy.compare import VERDICT_LEVEL
 from quantstudy.config import main_quality_condition, shape_of
 
@@ -171,6 +171,9 @@ def verdict(t: dict[str, Any]) -> list[dict[str, Any]]:
             "baseline": base and {"variants": base["variants"], "met": base["pass"], "observed": shown(base["observed"])},
             "threshold": f"{COMPARE_WORDS.get(c.get('compare'), c.get('compare') or '')} {threshold}".strip(),
             "basis": c.get("basis"), "note": c.get("note"),
+            # Measured otherwise than the write-up did (config/published `differs`): said beside the basis.
+            "differs": [d["how"] for d in (t.get("published_from") or {}).get("differs", [])
+                        if c.get("column") in d["columns"]],
             "setting": (c.get("rows") or {}).get("setting")})
     return lines
 
@@ -201,11 +204,12 @@ def value_range(values) -> dict | None:
 # --- the view: what the templates show, computed from the tables -----------------------------
 
 def view(t: dict[str, Any], docs: str = "../../docs/reading-a-study.md", repo: str = "../..",
-         kept=lambda source: True) -> dict[str, Any]:
+         kept=lambda source: True, read=None) -> dict[str, Any]:
     """What the templates show, computed from tables.json alone. Nothing here knows a family:
     a family's template block reads its columns through `column_range` and `ratio_range`.
     `docs` and `repo`: the shared reading page and the repository root, relative to the README;
-    `kept(source)`: whether a file the tables name is beside the README, to be linked."""
+    `kept(source)`: whether a file the tables name is beside the README, to be linked; `read(source)`:
+    that file's doc (ran_on reads older tables' devices so)."""
     spec, cand, baselines = t["spec"], t["spec"]["candidate"], t["baselines"]
     settings = spec["settings"]
     speed_rows = []
@@ -282,7 +286,7 @@ def view(t: dict[str, Any], docs: str = "../../docs/reading-a-study.md", repo: s
         "profile_agreement": bound.PROFILE_AGREEMENT, "failures": failures, "damaged": t.get("damaged", []),
         "gpus": sorted({r["gpu"] for r in t["speed"]}), "decision": t["decision"],
         "variant_summary": variant_summary, "speed_of": speed_of, "build_of": builds, "references": references,
-        "several_graphs": len(graphs) > 1,
+        "several_graphs": len(graphs) > 1, "reference_dtype": reference_dtype(t), "ran_on": ran_on(t, read),
         "published": _published_view(t),
         "plot": PLOT, "main_quality": main_quality_condition(spec["decision"]), "verdict": verdict(t),
         "docs": docs, "repo_link": lambda path: f"{repo}/{path}",
@@ -311,6 +315,34 @@ def _samples_view(t: dict[str, Any]) -> dict[str, dict[str, Any]]:
                    "revision": spec["datasets"][s["dataset"]]["revision"]} for name, s in spec["samples"].items()}
 
 
+CARD = re.compile(r"\bG?[ABHL]\d{2,3}\b")  # a card as a note names it: H200, B300, A100, L40, GB300
+
+
+def ran_on(t: dict[str, Any], read=None) -> dict[str, Any]:
+    """The devices the run's jobs ran on, as their JSONs' provenance records them (tables.json's `devices`);
+    for tables written before aggregate kept them, `read(source)` (a kept file's doc, or None) gives the
+    build, timing, profile and evaluation files the tables name. `contradicted`: the cards the run's note
+    names that no job ran on (the note is config text; a job's provenance is what happened)."""
+    found = t.get("devices")
+    if found is None and read is not None:
+        sources = dict.fromkeys(r["source"] for table in ("builds", "speed", "kernels", "quality")
+                                for r in t[table] if r.get("source"))
+        docs = [doc for doc in map(read, sources) if doc is not None]
+        found = devices(docs) if docs else None
+    names = [d["device"] for d in found or []]
+    claimed = dict.fromkeys(CARD.findall(t["run"].get("note") or ""))
+    return {"devices": found, "text": ", ".join(f"{d['device']} ({d['jobs']} job{'s' if d['jobs'] != 1 else ''})"
+                                                for d in found or []),
+            "contradicted": [c for c in claimed if found is not None and not any(c in n for n in names)]}
+
+
+def reference_dtype(t: dict[str, Any]) -> str | None:
+    """The dtype the PyTorch reference ran in, as its reference.json files record it (each reference row's
+    `dtype`); tables written before the rows kept it: the study's `reference_dtype`; older still: None."""
+    recorded = sorted({r["dtype"] for r in t["references"] if r.get("dtype")})
+    return " and ".join(recorded) if recorded else t["spec"].get("reference_dtype")
+
+
 def within_job_noise(row: dict[str, Any]) -> bool:
     """The candidate's x differs from 1 by no more than its range across timing jobs: these jobs do
     not tell it from its baseline. Only where that range was measured (two or more jobs)."""
@@ -331,6 +363,7 @@ def _published_view(t: dict[str, Any]) -> dict[str, Any] | None:
     reproduced = [r for r in rows if r["status"] == "reproduced"]
     reasons = {r["reason"] for r in rows if r["status"] != "reproduced"}
     return {"from": t["published_from"], "n": len(rows), "reproduced": len(reproduced),
+            "differs": t["published_from"].get("differs", []), "left_out": t["published_from"].get("left_out", []),
             "beyond": sum(bool(r["beyond_tolerance"]) for r in reproduced),
             "reason": next(iter(reasons)) if len(reasons) == 1 and not reproduced else None,
             "groups": [{"section": s, "title": title, "rows": g} for (s, title), g in groups.items()]}
@@ -388,18 +421,27 @@ def repository_of(readme: Path) -> Path:
     raise ValueError(f"{readme} is not inside a workflow checkout (no Snakefile above it)")
 
 
+def _read_kept(folder: Path, study: str, source: str) -> dict[str, Any] | None:
+    """The doc of a file the tables name, where it is kept beside the README; None where it is not."""
+    try:
+        return read_json(folder / link(study, source))
+    except (OSError, DamagedArtifact):
+        return None
+
+
 def render_section(tables: dict[str, Any], readme: str | Path | None = None) -> str:
     """The study's README section, markers included. `readme`: where it is written (default
     results/<study>/README.md of this checkout, every file beside it), for the links to the
     repository's docs and to the files beside it."""
     if readme is None:
-        repo, kept = "../..", lambda source: True
+        repo, kept, read = "../..", lambda source: True, None
     else:  # an evidence folder may not have kept every file its tables name: those are named, not linked
         folder = Path(readme).resolve().parent
         repo = Path(os.path.relpath(repository_of(Path(readme)), folder)).as_posix()
         kept = lambda source: (folder / link(tables["study"], source)).exists()  # noqa: E731
+        read = functools.partial(_read_kept, folder, tables["study"])
     env = environment()
-    body = env.get_template(f"{tables['family']}.md.j2").render(**view(tables, f"{repo}/{DOCS}", repo, kept))
+    body = env.get_template(f"{tables['family']}.md.j2").render(**view(tables, f"{repo}/{DOCS}", repo, kept, read))
     body = re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
     return f"{begin_marker(tables['study'])}\n{body}{end_marker(tables['study'])}\n"
 
@@ -514,10 +556,12 @@ def _rst(text: str) -> str:
     return re.sub(r"([\\`*_|])", r"\\\1", str(text))
 
 
-def run_kind(run: dict[str, Any]) -> str:
-    """What kind of run the numbers come from, in a line: its name, its weights and its note."""
+def run_kind(run: dict[str, Any], devices_text: str = "") -> str:
+    """What kind of run the numbers come from, in a line: its name, its weights, the devices its jobs
+    record (`devices_text`) and its note."""
     weights = "the real checkpoints" if run["weights"] == "checkpoint" else f"{run['weights']} weights"
-    return f"Run {run['name']} ({weights}). {run.get('note') or ''}".strip()
+    on = f", on {devices_text}" if devices_text else ""
+    return f"Run {run['name']} ({weights}{on}). {run.get('note') or ''}".strip()
 
 
 def front_page(tables_jsons: list[str | Path], out: str | Path) -> None:
@@ -526,7 +570,9 @@ def front_page(tables_jsons: list[str | Path], out: str | Path) -> None:
     random-init models decides nothing about the real checkpoints), then one line per study: its
     decision and the conditions it does not meet. Each condition's full verdict is its README's."""
     docs = [read_json(path, "tables") for path in tables_jsons]
-    kinds = list(dict.fromkeys(run_kind(t["run"]) for t in docs))
+    # The devices by name only: one line for a run whose studies ran on the same devices.
+    kinds = list(dict.fromkeys(run_kind(t["run"], ", ".join(sorted({d["device"] for d in ran_on(t)["devices"] or []})))
+                               for t in docs))
     lines = [f"**{_rst(kind)}**" for kind in kinds] + [""]
     for t in docs:
         d, verdicts = t["decision"], verdict(t)

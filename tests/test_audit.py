@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from quantstudy import audit
+from quantstudy import artifacts, audit
 from quantstudy.audit import one_engine_problems, probes_differ
 from quantstudy.reproduce import compare_quality, compare_timing
 from quantstudy.timing import timing_noise
@@ -313,3 +313,101 @@ def test_the_audit_of_a_study_run_on_another_card_names_every_job_of_it(monkeypa
     assert len(found["xcit-h100"]) == 40
     assert {p.rsplit("/", 1)[1] for p in found["xcit-h100"]} == {
         "build.json", "measurements.json", "timing.json", "kernels.json", "quality.json", "gemm.json"}
+
+
+def test_a_numbers_chain_names_the_cells_the_page_shows_by_label_with_arithmetic_and_each_files_hash(
+        monkeypatch, capsys):
+    """Issue 41, item 13, on the committed XCiT H200 run: `audit chain README 0.96` lists the cells the page
+    shows as 0.96 (x, its range over rounds, the verdict's smallest x), each row named as the README's
+    tables name it; x with its arithmetic from the row's own times; every file with whether its sha256
+    still matches what its reader recorded. A cell that formats as 0.96 but that the page never shows is
+    not among them."""
+    import copy
+    import hashlib
+
+    from helpers import ROOT
+
+    monkeypatch.chdir(ROOT / "results/h200-build-once/xcit")
+    tables = artifacts.read_json("results/timm_xcit/tables.json", "tables")
+    row = next(r for r in tables["speed"] if (r["model"], r["setting"], r["variant"]) == ("xcit-nano", "b1", "fp8"))
+    assert f"{row['x']:.2f}" == "0.96"
+
+    unshown = copy.deepcopy(tables)
+    next(r for r in unshown["speed"] if r["source"] == row["source"])["x_unshown"] = row["x"]
+    hits = audit.find_number(unshown, "0.96")
+    assert "x_unshown" in [h["column"] for h in hits]
+    shown = audit.shown_hits(unshown, "results/timm_xcit/README.md", "0.96", hits)
+    assert {(h["table"], h["column"]) for h in shown} == {("speed", "x"), ("speed", "x_min"), ("speed", "x_max"),
+                                                         ("decision", "observed min")}
+
+    audit.main(["chain", "results/timm_xcit/README.md", "0.96"])
+    out = capsys.readouterr().out
+    assert f"speed table, row h200-torch | xcit-nano, `b1` | `fp8`, column x = {row['x']!r}, from {row['source']}" in out
+    b, v = row["baseline_ms"], row["variant_ms"]
+    assert f"  x = baseline_ms / variant_ms = {b:.3f} / {v:.3f} = {b / v:.3f}\n" in out
+    assert "the smallest of `x` over the condition's 2 rows of the speed table: h200-torch | xcit-nano, `b1` | `fp8`: x = " in out
+    lines = out.splitlines()
+
+    def block(path: str, depth: int) -> list[str]:  # a file's lines in the chain: its own, up to the next file's
+        at = lines.index("  " * depth + path)
+        end = next((i for i in range(at + 1, len(lines)) if not lines[i].startswith("  " * (depth + 1))
+                    or lines[i].endswith(".json")), len(lines))
+        return lines[at + 1:end]
+
+    digest = hashlib.sha256(Path(row["source"]).read_bytes()).hexdigest()
+    assert f"  sha256 {digest[:12]}: matches what results/timm_xcit/tables.json recorded" in block(row["source"], 0)
+    checkpoint = "results/timm_xcit/xcit-nano/checkpoint.json"
+    digest = hashlib.sha256(Path(checkpoint).read_bytes()).hexdigest()
+    assert f"    sha256 {digest[:12]}: matches what {row['source']} recorded" in block(checkpoint, 1)
+
+
+def test_a_verdicts_number_is_traced_to_the_rows_and_the_division_it_comes_from(monkeypatch, capsys):
+    """The GPT-Neo verdict's "62.0 times" (KL over the fp16 engine's) was "computed by the template": the
+    chain names the condition, the candidate's and the fp16 engine's rows with their KL and files, and the
+    division; then those files' chains."""
+    from helpers import ROOT
+
+    monkeypatch.chdir(ROOT / "results/h200-gpt-neo/gpt_neo")
+    tables = artifacts.read_json("results/gpt_neo/tables.json", "tables")
+    fp8, fp16 = (next(r for r in tables["quality"] if r["variant"] == v) for v in ("fp8", "fp16"))
+    ratio = fp8["wikitext.kl_mean"] / fp16["wikitext.kl_mean"]
+    assert f"{ratio:.1f}" == "62.0"
+    audit.main(["chain", "results/gpt_neo/README.md", "62.0"])
+    out = capsys.readouterr().out
+    assert "decision table, row condition 'next-token KL against PyTorch bf16 (every row)', column observed min" in out
+    assert (f"h200-torch | gpt-neo-125m, `p256-c256` | `fp8`: wikitext.kl_mean 0.0019 ({fp8['source']}) / fp16's "
+            f"3.1e-05 ({fp16['source']}) = {ratio:.4g}") in out
+    lines = out.splitlines()
+    for source in (fp8["source"], fp16["source"]):
+        at = lines.index(source)
+        assert any(line.startswith("  sha256 ") and line.endswith(": matches what results/gpt_neo/tables.json recorded")
+                   for line in lines[at + 1:at + 5])
+
+
+def test_gpt_neos_kl_ratio_on_the_page_is_a_cell_of_tables_json():
+    """The GPT-Neo page's "times the fp16 engine's" ratios are each quality row's own column
+    (aggregate.with_ratio), not a division in the template: the chain finds the cell the page shows."""
+    import json
+
+    import pandas as pd
+
+    from quantstudy import aggregate
+
+    from helpers import ROOT
+
+    tables = json.loads((ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json").read_text())
+    tables["quality"] = artifacts.plain(
+        aggregate.with_ratio(pd.DataFrame(tables["quality"]), "wikitext.kl_mean", "fp16").to_dict("records"))
+    fp8 = next(r for r in tables["quality"] if r["variant"] == "fp8")
+    shown = f"{fp8['wikitext.kl_mean / fp16']:.1f}"
+    hits = audit.shown_hits(tables, None, shown, audit.find_number(tables, shown))
+    assert ("quality", "wikitext.kl_mean / fp16", fp8["source"]) in {(h["table"], h["column"], h["source"]) for h in hits}
+    # Its arithmetic names the fp16 row it is divided by, whose file the chain walks too.
+    from quantstudy import render
+
+    fp16 = next(r for r in tables["quality"] if r["variant"] == "fp16")
+    [cell] = [h for h in hits if h["table"] == "quality"]
+    assert cell["arithmetic"] == (f"wikitext.kl_mean / fp16 = {render.sci(fp8['wikitext.kl_mean'])} / fp16's "
+                                  f"{render.sci(fp16['wikitext.kl_mean'])} ({fp16['source']}) = "
+                                  f"{fp8['wikitext.kl_mean'] / fp16['wikitext.kl_mean']:.4g}")
+    assert cell["also_from"] == [fp16["source"]]

@@ -137,3 +137,28 @@ def test_every_gpu_artifact_describes_its_gpu():
     assert system["driver"] and system["cuda_driver"]
     assert all(system["clocks_mhz"].values()) and all(system["max_clocks_mhz"].values())
     assert isinstance(system["clock_event_reasons_active"], list)
+
+
+@pytest.mark.parametrize("fmt,config", [("nvfp4", "NVFP4_DEFAULT_CFG"), ("mxfp8", "MXFP8_DEFAULT_CFG")])
+def test_the_cpu_microscaling_path_matches_modelopts_cuda_fake_quant(fmt, config):
+    """The embedded default's NVFP4 / MXFP8 quality (MicroscaledLinear, ModelOpt's QTensor on the CPU) against
+    ModelOpt's own CUDA fake-quant (mtq.quantize with its preset) of the same layers on the same inputs:
+    the outputs agree to within 1e-3 of their norm (both round to the same grid with the same scales;
+    the tolerance takes in a rounding tie broken the other way in a few elements)."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 128))
+    spread = torch.cat([torch.ones(248), torch.full((8,), 20.0)])  # outlier channels
+    batches = [torch.randn(32, 256) * spread for _ in range(4)]
+    cuda = copy.deepcopy(model).cuda()
+    mtq.quantize(cuda, copy.deepcopy(getattr(mtq, config)), lambda m: [m(b.cuda()) for b in batches])
+    amax = {"amax": qz.calibrate(copy.deepcopy(model), [{"input": b} for b in batches]), "outliers": {"layers": []}}
+    ours, _ = qz.apply_variant(copy.deepcopy(model), {"precision": "float32", "transforms": [{"microscaling": {"format": fmt}}]},
+                               {"quantize": ["*"], "dequantize_dtype": "float32"}, amax)
+    with torch.no_grad():
+        got, want = ours(batches[0]), cuda(batches[0].cuda()).cpu()
+    assert float((got - want).norm() / want.norm()) <= 1e-3

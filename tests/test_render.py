@@ -367,3 +367,109 @@ def test_a_condition_straddling_its_threshold_is_rendered_within_the_noise():
     assert f"The verdict rests on 1 condition within the noise of this run ({c['name']})" in section
     # the others keep their met / not met
     assert f"- **{'met' if tables['decision']['conditions'][0]['pass'] else 'not met'}: " in section
+
+
+def test_gpt_neos_method_names_the_dtype_its_reference_files_record():
+    """Issue 41, item 1: GPT-Neo's reference runs in bf16 (the write-up's "GPTNeoForCausalLM in bf16").
+    The committed evidence's reference.json files record the dtype they ran in; the rows aggregate makes
+    of them carry it, and the Method and the quality table name it, never a default of float32. The
+    spec aggregate copies carries the study's reference_dtype too."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from quantstudy import aggregate, artifacts, config as qc
+
+    from helpers import ROOT
+
+    evidence = ROOT / "results/h200-gpt-neo/gpt_neo"
+    tables = artifacts.read_json(evidence / "results/gpt_neo/tables.json", "tables")
+    paths = sorted(str(p) for p in evidence.glob("results/gpt_neo/*/*/reference.json"))
+    recorded = {json.loads(Path(p).read_text())["dtype"] for p in paths}
+    assert recorded == {"bfloat16"}
+    settings = {name: qc.shape_of(s) for name, s in tables["spec"]["settings"].items()}
+    tables["references"] = aggregate.reference_rows(paths, settings, [])
+    lines = render.render_section(tables).splitlines()
+    method = [line for line in lines if line.startswith("- Reference: Transformers `GPTNeoForCausalLM`")]
+    assert len(method) == 1 and " in bfloat16 (eager attention)" in method[0]
+    assert not [line for line in lines if re.search(r"PyTorch (float32|fp32)\b", line)]
+    assert [line for line in lines if line.startswith("| WikiText-2 perplexity (PyTorch bfloat16: ")]
+
+    configured = yaml.safe_load((ROOT / "config/studies/gpt_neo.yaml").read_text())["reference_dtype"]
+    study = qc.load_study(ROOT / "config/studies/gpt_neo.yaml", [ROOT / "config/tiny/gpt_neo.yaml"], against_code=False).raw
+    assert aggregate.spec_of(study)["reference_dtype"] == configured == "bfloat16"
+
+
+def test_a_runs_banner_names_the_device_its_jobs_record_not_its_configs_note():
+    """Issue 41, item 11: the committed XCiT run of 2026-12-05 ran under config/h200.yaml, whose note said
+    "on one H200", on an H100. The banner and the verdict name the card the jobs' JSONs record (tables
+    written before aggregate kept `devices` read it from the files kept beside the README) and say that
+    the note names a card no job ran on; a run's note in config names no card."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from quantstudy import artifacts
+
+    from helpers import ROOT
+
+    folder = ROOT / "results/h200-build-once/xcit-h100/results/timm_xcit"
+    timings = sorted(folder.glob("h200-torch/*/*/*/timing.json"))
+    recorded = {json.loads(p.read_text())["provenance"]["hardware"]["gpu_system"]["name"] for p in timings}
+    assert recorded == {"NVIDIA H100 80GB HBM3"} and len(timings) == 8
+    tables = artifacts.read_json(folder / "tables.json", "tables")
+    assert "on one H200" in tables["run"]["note"] and "devices" not in tables
+
+    def banner_and_verdict(lines):
+        return (next(line for line in lines if line.startswith("> **")),
+                next(line for line in lines if line.startswith("**Do not ship") or line.startswith("**Ship")))
+
+    lines = render.render_section(tables, folder / "README.md").splitlines()
+    banner, verdict = banner_and_verdict(lines)
+    assert lines[lines.index(banner) + 1] == ""  # the quote ends with its line
+    assert banner.startswith("> **real-size-random-init run `h200-torch`, on NVIDIA H100 80GB HBM3 (")
+    assert banner.endswith("**The note names H200, but no job of this run ran on it.**")
+    assert "measured on NVIDIA H100 80GB HBM3 against fp16" in verdict
+
+    # Tables that record their devices (aggregate counts them from the jobs' JSONs) need no file beside them.
+    docs = [json.loads(p.read_text()) for p in timings]
+    assert artifacts.devices(docs) == [{"device": "NVIDIA H100 80GB HBM3", "jobs": 8}]
+    tables["devices"] = [{"device": "NVIDIA H100 80GB HBM3", "jobs": 8}]
+    banner, verdict = banner_and_verdict(render.render_section(tables).splitlines())
+    assert banner.startswith("> **real-size-random-init run `h200-torch`, on NVIDIA H100 80GB HBM3 (8 jobs), as its "
+                             "jobs' provenance records.**")
+    assert "measured on NVIDIA H100 80GB HBM3 against fp16" in verdict
+    # The same run on the H200 it was meant for: no contradiction to flag.
+    tables["devices"] = [{"device": "NVIDIA H200", "jobs": 8}]
+    banner, _ = banner_and_verdict(render.render_section(tables).splitlines())
+    assert "on NVIDIA H200 (8 jobs)" in banner and "The note names" not in banner
+
+    for run_config in sorted(Path(ROOT / "config").glob("*.yaml")):
+        note = (yaml.safe_load(run_config.read_text()).get("run") or {}).get("note") or ""
+        assert not render.CARD.findall(note), f"{run_config.name}'s note names a card: {render.CARD.findall(note)}"
+
+
+def test_the_front_page_names_the_devices_the_jobs_record_once_per_run(tmp_path):
+    """The report's front page line of a run names the devices its studies' jobs record, by name (not a
+    count per study), so a run whose studies all ran on one card has one line."""
+    import json
+
+    from quantstudy import artifacts
+
+    from helpers import ROOT
+
+    paths = []
+    for i, study in enumerate(("results/h200-gpt-neo/gpt_neo/results/gpt_neo", "results/h200-build-once/xcit/results/timm_xcit")):
+        doc = json.loads((ROOT / study / "tables.json").read_text())
+        doc["devices"] = [{"device": "NVIDIA H100 80GB HBM3", "jobs": 10 + i}]
+        doc["run"] = {**doc["run"], "note": "A note that names no card."}
+        body = {k: v for k, v in doc.items() if k not in ("schema", "schema_version", "content_sha256")}
+        artifacts.write_json(tmp_path / f"{i}.json", "tables", body)
+        paths.append(tmp_path / f"{i}.json")
+    out = tmp_path / "decisions.rst"
+    render.front_page(paths, out)
+    lines = out.read_text().splitlines()
+    assert lines[0] == "**Run h200-torch (real-size-random-init weights, on NVIDIA H100 80GB HBM3). A note that names no card.**"
+    assert lines[1] == ""

@@ -538,14 +538,17 @@ def test_a_tampered_revision_fails_the_audit(workflow_copy, tmp_path):
 
 def test_the_readme_lists_the_published_numbers_none_reproduced_on_tiny_models(workflow_copy):
     """A tiny run reproduces none of the write-up's B200 / B300 numbers: one line says so and links the
-    file that transcribes them, and no published value is listed; tables.json keeps each one, and the
-    audit traces one to its file."""
+    file that transcribes them; the fold under it lists each one with the rows it is compared with (no
+    reproduced column); tables.json keeps each one, and the audit traces one to its file."""
     readme = (workflow_copy / "results/fnet/README.md").read_text()
     line = next(x for x in readme.splitlines() if x.startswith("**Published numbers:**"))
     assert ("this run reproduces none of them: this run's weights are tiny-random-init, not the write-up's "
             "(checkpoint). A run of `config/b200.yaml` or `config/b300.yaml` does.") in line
     assert "[`config/published/fnet.yaml`](../../config/published/fnet.yaml)" in line
-    assert "2.838" not in readme and "Published vs reproduced" not in readme
+    assert "Published vs reproduced" not in readme
+    fold = readme[readme.index("<details><summary>The write-up's numbers: 0 of "):]
+    fold = fold[:fold.index("</details>")]
+    assert "base, 512 \\| B200 / fp32 | speed `variant_ms`: b200-trt11.4, fnet-base, w512, fp32 | ms | 2.838 |" in fold
     tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
     assert tables["published_from"]["file"] == "config/published/fnet.yaml"
     assert {r["status"] for r in tables["published"]} == {"not reproduced here"}
@@ -556,7 +559,7 @@ def test_the_readme_lists_the_published_numbers_none_reproduced_on_tiny_models(w
     from quantstudy import audit
 
     hit = next(h for h in audit.find_number(tables, "2.838") if h["table"] == "published")
-    assert hit["row"] == "b200-trt11.4, fnet-base, w512, fp32 (published as base, 512 | B200 / fp32)"
+    assert hit["row"] == "b200-trt11.4 | fnet-base, `w512` | `fp32` (published as base, 512 | B200 / fp32)"
     assert (hit["column"], hit["value"], hit["source"]) == ("published_min", 2.838, "config/published/fnet.yaml")
 
 

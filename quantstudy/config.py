@@ -59,13 +59,134 @@ class Model:
 
 
 @dataclass(frozen=True)
-class Dataset:
+class Configured:
+    """A value of the study config that crosses into a rule's params: `entry` is its config entry as
+    written (after defaults and the lock), which a rule passes and provenance records. Kept as written,
+    key order included: Snakemake reruns a job whose params' repr changes, and every JSON records them."""
+
+    entry: dict[str, Any] = field(default_factory=dict, repr=False, compare=False, kw_only=True)
+
+    def as_params(self) -> dict[str, Any]:
+        """The config entry as plain values: a rule's params."""
+        return copy.deepcopy(self.entry)
+
+
+@dataclass(frozen=True)
+class Dataset(Configured):
     name: str
     repo: str
     revision: str
     files: dict[str, str]
     tiny: dict[str, Any] | None = None
     box_format: str | None = None  # a detection dataset's layout of its boxes (metrics.BOX_FORMATS)
+
+
+@dataclass(frozen=True)
+class SampleSpec(Configured):
+    """A sample set (`samples.<name>`): drawn from a split of a dataset by the family's rule. The family's
+    own draw options (min_tokens, offset ...) stay in `entry`, which the family reads."""
+
+    name: str
+    dataset: str
+    split: str
+    kind: str
+    count: int
+    seed: int | None = None
+
+    @classmethod
+    def from_params(cls, name: str, params: dict[str, Any]) -> "SampleSpec":
+        return cls(name, params["dataset"], params["split"], params["kind"], params["count"], params.get("seed"),
+                   entry=dict(params))
+
+
+@dataclass(frozen=True)
+class Recipe(Configured):
+    """The FP8 recipe (`recipe`): the layers it quantizes and how their scales are calibrated."""
+
+    quantize: tuple[str, ...]
+    weight_scale: str
+    activation_calibration: dict[str, Any]
+    dequantize_dtype: str
+    outlier_ratio: float
+    exclude_calls: tuple[str, ...] = ()
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "Recipe":
+        return cls(tuple(params["quantize"]), params["weight_scale"], dict(params["activation_calibration"]),
+                   params["dequantize_dtype"], params["outlier_ratio"], tuple(params.get("exclude_calls", ())),
+                   entry=dict(params))
+
+    @property
+    def calibration_samples(self) -> list[str]:
+        """The sample sets it calibrates on, in order (`activation_calibration.samples`: one or a list)."""
+        return calibration_sample_sets(self.entry)
+
+    @property
+    def calibration_dtype(self) -> str:
+        """The dtype the module is calibrated in (default float32; bf16 where the write-up calibrated the bf16 model)."""
+        return self.activation_calibration.get("dtype", "float32")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The variant a setting's speed-ups are measured against: `default`, or its `by_setting` entry."""
+
+    default: str
+    by_setting: dict[str, str] = field(default_factory=dict)
+
+    def of(self, setting: str) -> str:
+        """The one place a setting's baseline is decided."""
+        return self.by_setting.get(setting, self.default)
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One condition of the decision: `reduce` of `column` over the candidate's rows of `table`,
+    compared with `threshold` (config/schemas/study.schema.yaml says what each key means)."""
+
+    name: str
+    table: str
+    column: str
+    reduce: str
+    compare: str
+    threshold: float
+    basis: str
+    rows: dict[str, Any] = field(default_factory=dict)
+    units: str | None = None
+    samples: tuple[str, ...] = ()
+    n: str | None = None
+    relative_to: str | None = None
+
+    @classmethod
+    def from_config(cls, c: dict[str, Any]) -> "Condition":
+        return cls(c["name"], c["table"], c["column"], c["reduce"], c["compare"], c["threshold"], c["basis"],
+                   dict(c.get("rows") or {}), c.get("units"), tuple(c.get("samples", ())), c.get("n"),
+                   c.get("relative_to"))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """FP8 ships only if every condition holds on the candidate's rows."""
+
+    conditions: tuple[Condition, ...]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How a study times (`timing`): each job's warm-up, rounds and calls per round, how many separate
+    jobs per timed variant (`repeats`), and the smallest change that counts (`min_effect`: x and ms, shares)."""
+
+    warmup: int
+    rounds: int
+    calls_per_round: int
+    repeats: int
+    min_effect: dict[str, float]
+    min_round_ms: float | None = None
+
+    def job_params(self) -> dict[str, Any]:
+        """How each timing job times, as a rule's params: not `repeats` (raising it adds jobs, reruns none)."""
+        rounds = {"warmup": self.warmup, "rounds": self.rounds, "calls_per_round": self.calls_per_round}
+        return rounds if self.min_round_ms is None else {**rounds, "min_round_ms": self.min_round_ms}
 
 
 @dataclass(frozen=True)
@@ -120,96 +241,60 @@ class Target:
         """A target as rules pass it (plain values under `target`: its name, so that Snakemake sees a change)."""
         return cls(**{"name": params["target"], **{k: v for k, v in params.items() if k != "target"}})
 
+    def as_params(self) -> dict[str, Any]:
+        """The target as plain values: a rule's params (from_params reads them back)."""
+        return {"target": self.name, **vars(self)}
+
 
 @dataclass(frozen=True)
 class Study:
+    """One study, built and checked once at load (load_study): what the rules and steps read."""
+
     name: str
     family: str
+    title: str
     models: dict[str, Model]
     settings: dict[str, Setting]
     datasets: dict[str, Dataset]
+    samples: dict[str, SampleSpec]
     variants: dict[str, Variant]
-    raw: dict[str, Any]
+    recipe: Recipe
+    baseline: Baseline
+    candidate: str  # the variant the decision is about
+    timing: Timing
+    decision: Decision
+    metrics: dict[str, Any]  # the family's metric parameters, checked against its schema at load
+    seeds: dict[str, int]  # each seed the family draws with, by name
+    evaluation_samples: tuple[str, ...]  # the sample sets every evaluation and reference job measures
+    # the variants whose engines every other variant's evaluation is also compared with
+    quality_against: tuple[str, ...] = ()
+    reference_dtype: str = "float32"  # the dtype the PyTorch reference runs in
+    evaluation_repeats: int = 1  # separate evaluation jobs per engine (`evaluation.repeats`)
+    calibrate_by: tuple[str, ...] | None = None  # the shape keys an amax file depends on (None: all)
+    # setting -> the setting whose dynamic-shape engine it runs on (its `engine:`); absent: its own
+    setting_engines: dict[str, str] = field(default_factory=dict)
 
     # target -> {"settings": [...], "variants": [...]} (a missing key: all); empty: every target, all of it
     targets: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     published: str | None = None  # config/published/<study>.yaml, checked against the study when loaded
-
-    @property
-    def recipe(self) -> dict[str, Any]:
-        return self.raw["recipe"]
+    # The study as configured (defaults filled in, revisions locked): what tables.json records of it and
+    # the audit compares (Run.aggregate_arguments); nothing else reads it.
+    document: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def repeats(self) -> int:
         """Separate timing jobs per timed variant (`timing.repeats`, the run's where it sets one)."""
-        return self.raw["timing"]["repeats"]
+        return self.timing.repeats
 
-    @property
-    def title(self) -> str:
-        return self.raw["title"]
-
-    @property
-    def candidate(self) -> str:
-        """The variant the decision is about."""
-        return self.raw["candidate"]
-
-    @property
-    def timing_rounds(self) -> dict[str, int]:
-        """How each timing job times: warmup calls, rounds, calls per round, the shortest round (not how many jobs)."""
-        return {k: self.raw["timing"][k] for k in ("warmup", "rounds", "calls_per_round", "min_round_ms")
-                if k in self.raw["timing"]}
-
-    @property
-    def evaluation_samples(self) -> list[str]:
-        """The sample sets every evaluation and reference job measures."""
-        return self.raw["evaluation_samples"]
-
-    @property
-    def quality_against(self) -> list[str]:
-        """The variants whose engines every other variant's evaluation is also compared with."""
-        return self.raw["quality_against"]
-
-    @property
-    def metrics(self) -> dict[str, Any]:
-        return self.raw["metrics"]
-
-    @property
-    def seeds(self) -> dict[str, Any]:
-        return self.raw["seeds"]
-
-    @property
-    def reference_dtype(self) -> str:
-        """The dtype the PyTorch reference runs in (`reference_dtype`)."""
-        return self.raw["reference_dtype"]
-
-    def sample_spec(self, name: str) -> dict[str, Any]:
-        """Sample set `name`: {dataset, split, kind, count, seed, offset}."""
-        return self.raw["samples"][name]
-
-    def sample_dataset(self, name: str) -> dict[str, Any]:
-        """The dataset entry (repo, revision, files, ...) that sample set `name` is drawn from."""
-        return self.raw["datasets"][self.sample_spec(name)["dataset"]]
-
-    @property
-    def min_effect(self) -> dict[str, float]:
-        """The smallest change of a timing that counts (compare.compare): {"x": share, "ms": share}."""
-        return self.raw["timing"]["min_effect"]
-
-    @property
-    def evaluation_repeats(self) -> int:
-        """Separate evaluation jobs per engine (`evaluation.repeats`)."""
-        return self.raw["evaluation"]["repeats"]
+    def sample_dataset(self, name: str) -> Dataset:
+        """The dataset that sample set `name` is drawn from."""
+        return self.datasets[self.samples[name].dataset]
 
     def setting(self, name: str) -> Setting:
         return self.settings[name]
 
-    def baseline(self, setting: str) -> str:
-        """The variant this setting's speed-ups are measured against (the one place this is decided)."""
-        base = self.raw["baseline"]
-        return base.get("by_setting", {}).get(setting, base["default"])
-
     def baselines(self) -> dict[str, str]:
-        return {s: self.baseline(s) for s in self.settings}
+        return {s: self.baseline.of(s) for s in self.settings}
 
     def local_hub_specs(self) -> dict[str, list[dict[str, Any]]]:
         """What the local_hub rule generates: the models and datasets that have a tiny spec."""
@@ -242,7 +327,7 @@ class Study:
     def engine_setting(self, setting: str) -> str:
         """The setting whose engines this one is timed and evaluated on: itself, or the one its
         `engine:` names (one dynamic-shape engine serving several settings)."""
-        return _engine_of(self.raw["settings"], setting)
+        return self.setting_engines.get(setting, setting)
 
     def build_json(self, target: str, model: str, setting: str, variant: str) -> str:
         """The build record (paths.BUILD) of the engine a variant is timed and evaluated on at `setting`:
@@ -266,7 +351,7 @@ class Study:
         """The setting whose amax file this one uses: the model's first quality setting that agrees
         on the shape keys calibration depends on (`calibrate_by`, default all of them; never the
         batch). A model with a KV cache may calibrate by prefill alone, a shared dynamic engine by none."""
-        return _calibration_setting(self.raw, model, setting, self.settings, self.models[model].settings)
+        return _calibration_setting(self.calibrate_by, setting, self.settings, self.models[model].settings)
 
     def calibration_settings(self, model: str) -> list[str]:
         return sorted({self.calibration_setting(model, s) for s in self.models[model].settings})
@@ -291,7 +376,7 @@ class Run:
         configured, its baselines, the run, its targets. The audit compares tables.json's record of them
         with these (a threshold edited in the record, and the decision with it, would agree with itself)."""
         study = self.studies[name]
-        return {"study": study.raw, "baselines": study.baselines(),
+        return {"study": study.document, "baselines": study.baselines(),
                 "run": {"name": self.name, "weights": self.weights, "note": self.note},
                 "targets": {t: vars(self.targets[t]) for t in self.study_targets(study)}}
 
@@ -479,7 +564,9 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
         if m.get("tiny") and models[name].revision != tiny_revision(tiny_model_spec(models[name])):
             problems.append(f"model {name!r}: a tiny checkpoint's revision is the content hash of its spec: "
                             f"set revision to {tiny_revision(tiny_model_spec(models[name]))}")
-    datasets = {n: Dataset(n, d["repo"], d["revision"], d["files"], d.get("tiny"), d.get("box_format")) for n, d in doc["datasets"].items()}
+    datasets = {n: Dataset(n, d["repo"], d["revision"], d["files"], d.get("tiny"), d.get("box_format"), entry=d)
+                for n, d in doc["datasets"].items()}
+    samples = {n: SampleSpec.from_params(n, s) for n, s in doc["samples"].items()}
     for d in datasets.values():
         if d.tiny and d.revision != tiny_revision(tiny_dataset_spec(d)):
             problems.append(f"dataset {d.name!r}: a tiny dataset's revision is the content hash of its spec: "
@@ -528,7 +615,7 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
             problems.append(f"baseline.by_setting names unknown setting {name!r}; settings: {', '.join(settings)}")
     for model in models.values():
         for s in model.settings:
-            if s in settings and _calibration_setting(doc, model.name, s, settings, model.settings) is None:
+            if s in settings and _calibration_setting(doc.get("calibrate_by"), s, settings, model.settings) is None:
                 problems.append(f"model {model.name!r}: setting {s!r} has no quality setting of its shape "
                                 f"(by {doc.get('calibrate_by', 'every shape key')}) to calibrate at")
 
@@ -549,8 +636,19 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
                 atomic_write(passed, json.dumps({"passed": True}))  # a marker read back whole
     if problems:
         raise ConfigError(f"invalid study ({where}):\n" + "\n".join(f"  {p}" for p in problems))
-    return Study(doc["study"], doc["family"], models, settings, datasets, variants, doc,
-                 {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()}, doc.get("published"))
+    timing = doc["timing"]
+    return Study(
+        doc["study"], doc["family"], doc["title"], models, settings, datasets, samples, variants,
+        Recipe.from_params(doc["recipe"]), Baseline(doc["baseline"]["default"], dict(doc["baseline"].get("by_setting", {}))),
+        doc["candidate"],
+        Timing(timing["warmup"], timing["rounds"], timing["calls_per_round"], timing["repeats"], timing["min_effect"],
+               timing.get("min_round_ms")),
+        Decision(tuple(Condition.from_config(c) for c in doc["decision"]["conditions"])),
+        doc["metrics"], doc["seeds"], tuple(doc["evaluation_samples"]), tuple(doc["quality_against"]),
+        doc["reference_dtype"], doc["evaluation"]["repeats"],
+        None if "calibrate_by" not in doc else tuple(doc["calibrate_by"]),
+        {n: s["engine"] for n, s in doc["settings"].items() if "engine" in s},
+        {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()}, doc.get("published"), doc)
 
 
 # The speed table's columns (aggregate: a timing row, its repeats, its Amdahl bound, its target), beside
@@ -749,10 +847,9 @@ def _engine_fit(family, setting: Setting, engine: Setting, model: Model) -> list
     return problems
 
 
-def _calibration_setting(doc: dict[str, Any], model: str, setting: str, settings: dict[str, Setting],
-                         model_settings) -> str | None:
+def _calibration_setting(calibrate_by, setting: str, settings: dict[str, Setting], model_settings) -> str | None:
     shape = settings[setting].shape
-    keys = doc.get("calibrate_by", list(shape))
+    keys = list(shape) if calibrate_by is None else calibrate_by
     for s in model_settings:
         if s in settings and settings[s].quality and all(settings[s].shape.get(k) == shape.get(k) for k in keys):
             return s

@@ -1,28 +1,30 @@
-"""The run and study configuration: validated once, turned into typed objects.
+"""Loading the run and study configuration: read, merged, validated once, locked, built into the typed
+study model (study.py) after the checks (checks.py).
 
-Every check that can fail on bad input runs here, when the Snakefile is read, so a bad
-config is a sentence on the terminal before any job starts.
+Every check that can fail on bad input runs when the Snakefile is read, so a bad config is a sentence
+on the terminal before any job starts. The model's and the checks' public names are importable from
+here too, as they were before the split.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
-import fnmatch
 import hashlib
-import importlib.metadata
 import json
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
 
-from quantstudy import lockfile, paths
+from quantstudy import checks, lockfile
 from quantstudy.artifacts import atomic_write
-from quantstudy.families.base import QualityColumns, Setting
+from quantstudy.checks import (  # noqa: F401  (re-exported: imported from config by other modules)
+    QUALITY_ROW_COLUMNS, SPEED_COLUMNS, main_quality_condition, quality_columns)
+from quantstudy.families.base import Setting
+from quantstudy.study import (  # noqa: F401  (re-exported: imported from config by other modules)
+    Baseline, Condition, Configured, Dataset, Decision, Model, Recipe, Run, SampleSpec, Study, Target, Timing,
+    Variant, calibration_sample_sets, calibration_setting_of, is_card, on_its_card, tiny_dataset_spec)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMAS = ROOT / "config" / "schemas"
@@ -44,256 +46,6 @@ TINY_GENERATOR_VERSION = 1
 
 class ConfigError(ValueError):
     """A configuration problem, worded for the person who wrote the config."""
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    repo: str
-    revision: str
-    architecture_name: str
-    architecture: dict[str, Any]
-    settings: tuple[str, ...]
-    tiny: dict[str, Any] | None = None
-    timed: bool = True  # False: quality only (`timing: false`), no time or profile jobs
-
-
-@dataclass(frozen=True)
-class Dataset:
-    name: str
-    repo: str
-    revision: str
-    files: dict[str, str]
-    tiny: dict[str, Any] | None = None
-    box_format: str | None = None  # a detection dataset's layout of its boxes (metrics.BOX_FORMATS)
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    precision: str
-    transforms: tuple[tuple[str, dict[str, Any]], ...] = ()
-    # False: a quality-only variant (built and evaluated; no time, profile or gemm job measures it).
-    timed: bool = True
-
-    def transforms_at(self, setting: Setting) -> list[tuple[str, dict[str, Any]]]:
-        """The transforms that apply at this setting: `when: {window: [512]}` limits a transform
-        to the settings whose shape has one of those values."""
-        return [(name, {k: v for k, v in params.items() if k != "when"}) for name, params in self.transforms
-                if all(setting.shape.get(k) in values for k, values in params.get("when", {}).items())]
-
-    def spec(self, setting: Setting) -> dict[str, Any]:
-        """What the build of this variant at this setting depends on: a rule's params."""
-        return {"precision": self.precision,
-                "transforms": [{name: params} for name, params in self.transforms_at(setting)]}
-
-    def has_fp8(self, setting: Setting) -> bool:
-        return any(name == "fp8" for name, _ in self.transforms_at(setting))
-
-
-def is_card(gpu: str, name: str) -> bool:
-    """Whether a GPU named `name` (torch.cuda.get_device_name, e.g. "NVIDIA H200") is the card a target
-    declares (`gpu: h200`): that word in the name, so "NVIDIA H100 80GB HBM3" is no h200."""
-    return re.search(rf"(?<![a-z0-9]){re.escape(gpu.lower())}(?![a-z0-9])", name.lower()) is not None
-
-
-def on_its_card(target: Target, gpu_name: str | None) -> bool:
-    """Whether a job of `target` may record numbers on the GPU named `gpu_name` (None: the job sees
-    none): a CPU target anywhere, a GPU target on the card it declares (`gpu:`), since its README
-    says they are that card's. The audit asks it of every recorded job; each job before it starts."""
-    return target.device == "cpu" or (gpu_name is not None and is_card(target.gpu, gpu_name))
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    backend: str
-    device: str
-    gpu: str = "cpu"
-    version: str = ""
-    env: str = ""
-    compile: bool = False
-    builder: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_params(cls, params: dict[str, Any]) -> "Target":
-        """A target as rules pass it (plain values under `target`: its name, so that Snakemake sees a change)."""
-        return cls(**{"name": params["target"], **{k: v for k, v in params.items() if k != "target"}})
-
-
-@dataclass(frozen=True)
-class Study:
-    name: str
-    family: str
-    models: dict[str, Model]
-    settings: dict[str, Setting]
-    datasets: dict[str, Dataset]
-    variants: dict[str, Variant]
-    raw: dict[str, Any]
-
-    # target -> {"settings": [...], "variants": [...]} (a missing key: all); empty: every target, all of it
-    targets: dict[str, dict[str, list[str]]] = field(default_factory=dict)
-    published: str | None = None  # config/published/<study>.yaml, checked against the study when loaded
-
-    @property
-    def recipe(self) -> dict[str, Any]:
-        return self.raw["recipe"]
-
-    @property
-    def repeats(self) -> int:
-        """Separate timing jobs per timed variant (`timing.repeats`, the run's where it sets one)."""
-        return self.raw["timing"]["repeats"]
-
-    @property
-    def title(self) -> str:
-        return self.raw["title"]
-
-    @property
-    def candidate(self) -> str:
-        """The variant the decision is about."""
-        return self.raw["candidate"]
-
-    @property
-    def timing_rounds(self) -> dict[str, int]:
-        """How each timing job times: warmup calls, rounds, calls per round, the shortest round (not how many jobs)."""
-        return {k: self.raw["timing"][k] for k in ("warmup", "rounds", "calls_per_round", "min_round_ms")
-                if k in self.raw["timing"]}
-
-    @property
-    def evaluation_samples(self) -> list[str]:
-        """The sample sets every evaluation and reference job measures."""
-        return self.raw["evaluation_samples"]
-
-    @property
-    def quality_against(self) -> list[str]:
-        """The variants whose engines every other variant's evaluation is also compared with."""
-        return self.raw["quality_against"]
-
-    @property
-    def metrics(self) -> dict[str, Any]:
-        return self.raw["metrics"]
-
-    @property
-    def seeds(self) -> dict[str, Any]:
-        return self.raw["seeds"]
-
-    @property
-    def reference_dtype(self) -> str:
-        """The dtype the PyTorch reference runs in (`reference_dtype`)."""
-        return self.raw["reference_dtype"]
-
-    def sample_spec(self, name: str) -> dict[str, Any]:
-        """Sample set `name`: {dataset, split, kind, count, seed, offset}."""
-        return self.raw["samples"][name]
-
-    def sample_dataset(self, name: str) -> dict[str, Any]:
-        """The dataset entry (repo, revision, files, ...) that sample set `name` is drawn from."""
-        return self.raw["datasets"][self.sample_spec(name)["dataset"]]
-
-    @property
-    def min_effect(self) -> dict[str, float]:
-        """The smallest change of a timing that counts (compare.compare): {"x": share, "ms": share}."""
-        return self.raw["timing"]["min_effect"]
-
-    @property
-    def evaluation_repeats(self) -> int:
-        """Separate evaluation jobs per engine (`evaluation.repeats`)."""
-        return self.raw["evaluation"]["repeats"]
-
-    def setting(self, name: str) -> Setting:
-        return self.settings[name]
-
-    def baseline(self, setting: str) -> str:
-        """The variant this setting's speed-ups are measured against (the one place this is decided)."""
-        base = self.raw["baseline"]
-        return base.get("by_setting", {}).get(setting, base["default"])
-
-    def baselines(self) -> dict[str, str]:
-        return {s: self.baseline(s) for s in self.settings}
-
-    def local_hub_specs(self) -> dict[str, list[dict[str, Any]]]:
-        """What the local_hub rule generates: the models and datasets that have a tiny spec."""
-        return {"models": [{"repo": m.repo, "revision": m.revision, "architecture": m.architecture, "tiny": m.tiny}
-                           for m in self.models.values() if m.tiny],
-                "datasets": [{"repo": d.repo, "revision": d.revision, "files": d.files, "tiny": tiny_dataset_spec(d)["tiny"]}
-                             for d in self.datasets.values() if d.tiny]}
-
-    def model_settings(self, quality_only: bool = False, timed_only: bool = False):
-        for model in self.models.values():
-            if timed_only and not model.timed:
-                continue
-            for s in model.settings:
-                if not quality_only or self.settings[s].quality:
-                    yield model.name, s
-
-    def engines(self, run_targets, quality_only: bool = False, timed_only: bool = False):
-        """(target, model, setting, variant) of every engine the study measures on the run's targets
-        (`quality_only`: that it evaluates; `timed_only`: that it times and profiles)."""
-        for t in run_targets:
-            if self.targets and t not in self.targets:
-                continue
-            only = self.targets.get(t) or {}
-            for m, s in self.model_settings(quality_only, timed_only):
-                if s in only.get("settings", [s]):
-                    for v in self.variants:
-                        if v in only.get("variants", [v]) and (self.variants[v].timed or not timed_only):
-                            yield t, m, s, v
-
-    def engine_setting(self, setting: str) -> str:
-        """The setting whose engines this one is timed and evaluated on: itself, or the one its
-        `engine:` names (one dynamic-shape engine serving several settings)."""
-        return _engine_of(self.raw["settings"], setting)
-
-    def build_json(self, target: str, model: str, setting: str, variant: str) -> str:
-        """The build record (paths.BUILD) of the engine a variant is timed and evaluated on at `setting`:
-        built at that setting, or at the one whose dynamic-shape engine serves it (`engine:`)."""
-        return paths.BUILD.format(study=self.name, target=target, model=model, setting=self.engine_setting(setting),
-                                  variant=variant)
-
-    def served_settings(self, target: str, model: str, setting: str, variant: str) -> list[str]:
-        """The settings whose jobs open the engine built at `setting`: itself first, then those whose
-        `engine:` names it. The engine is built for each of their shapes."""
-        served = [s for t, m, s, v in self.engines([target])
-                  if (m, v) == (model, variant) and self.engine_setting(s) == setting]
-        return list(dict.fromkeys([setting, *served]))
-
-    def builds(self, run_targets):
-        """(target, model, setting, variant) of every engine built: those the study measures, each
-        shared engine once, under the setting that builds it."""
-        return list(dict.fromkeys((t, m, self.engine_setting(s), v) for t, m, s, v in self.engines(run_targets)))
-
-    def calibration_setting(self, model: str, setting: str) -> str:
-        """The setting whose amax file this one uses: the model's first quality setting that agrees
-        on the shape keys calibration depends on (`calibrate_by`, default all of them; never the
-        batch). A model with a KV cache may calibrate by prefill alone, a shared dynamic engine by none."""
-        return _calibration_setting(self.raw, model, setting, self.settings, self.models[model].settings)
-
-    def calibration_settings(self, model: str) -> list[str]:
-        return sorted({self.calibration_setting(model, s) for s in self.models[model].settings})
-
-
-@dataclass(frozen=True)
-class Run:
-    name: str
-    weights: str
-    hf_cache: str
-    offline: bool
-    studies: dict[str, Study]
-    targets: dict[str, Target]
-    note: str = ""
-
-    def study_targets(self, study: Study) -> list[str]:
-        """The run's targets a study uses (its `targets:`, or all of them)."""
-        return [t for t in self.targets if not study.targets or t in study.targets]
-
-    def aggregate_arguments(self, name: str) -> dict[str, Any]:
-        """What rule aggregate makes a study's tables.json from, beside its input files: the study as
-        configured, its baselines, the run, its targets. The audit compares tables.json's record of them
-        with these (a threshold edited in the record, and the decision with it, would agree with itself)."""
-        study = self.studies[name]
-        return {"study": study.raw, "baselines": study.baselines(),
-                "run": {"name": self.name, "weights": self.weights, "note": self.note},
-                "targets": {t: vars(self.targets[t]) for t in self.study_targets(study)}}
 
 
 def _load_yaml(path: Path) -> Any:
@@ -359,24 +111,6 @@ def tiny_revision(spec: dict[str, Any]) -> str:
 
 def tiny_model_spec(model: Model) -> dict[str, Any]:
     return {"architecture": model.architecture, "tiny": model.tiny}
-
-
-def tiny_dataset_spec(dataset: Dataset) -> dict[str, Any]:
-    """What a tiny dataset's content depends on; a detection dataset is generated in its declared box format."""
-    tiny = dataset.tiny if dataset.box_format is None else {**dataset.tiny, "box_format": dataset.box_format}
-    return {"files": dataset.files, "tiny": tiny}
-
-
-def calibration_sample_sets(recipe: dict[str, Any]) -> list[str]:
-    """The sample sets a recipe calibrates on, in order: `activation_calibration.samples` names one or a list."""
-    names = recipe["activation_calibration"]["samples"]
-    return [names] if isinstance(names, str) else list(names)
-
-
-def main_quality_condition(decision: dict[str, Any]) -> dict[str, Any] | None:
-    """The decision's first per-row quality condition (table quality, reduce min or max): its column
-    is the study's main quality metric, the y axis of its speed-vs-quality plot."""
-    return next((c for c in decision["conditions"] if c["table"] == "quality" and c["reduce"] in ("min", "max")), None)
 
 
 def workflow_path(p: str | Path) -> Path:
@@ -479,148 +213,43 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
         if m.get("tiny") and models[name].revision != tiny_revision(tiny_model_spec(models[name])):
             problems.append(f"model {name!r}: a tiny checkpoint's revision is the content hash of its spec: "
                             f"set revision to {tiny_revision(tiny_model_spec(models[name]))}")
-    datasets = {n: Dataset(n, d["repo"], d["revision"], d["files"], d.get("tiny"), d.get("box_format")) for n, d in doc["datasets"].items()}
+    datasets = {n: Dataset(n, d["repo"], d["revision"], d["files"], d.get("tiny"), d.get("box_format"), entry=d)
+                for n, d in doc["datasets"].items()}
+    samples = {n: SampleSpec.from_params(n, s) for n, s in doc["samples"].items()}
     for d in datasets.values():
         if d.tiny and d.revision != tiny_revision(tiny_dataset_spec(d)):
             problems.append(f"dataset {d.name!r}: a tiny dataset's revision is the content hash of its spec: "
                             f"set revision to {tiny_revision(tiny_dataset_spec(d))}")
-    for name, s in doc["samples"].items():
-        if s["dataset"] not in datasets:
-            problems.append(f"samples {name!r} name unknown dataset {s['dataset']!r}")
-        elif s["split"] not in datasets[s["dataset"]].files:
-            problems.append(f"samples {name!r}: dataset {s['dataset']!r} has no split {s['split']!r}")
-    for role, name in [*[("recipe.activation_calibration.samples", n) for n in calibration_sample_sets(doc["recipe"])],
-                       *[("evaluation_samples", n) for n in doc["evaluation_samples"]]]:
-        if name not in doc["samples"]:
-            problems.append(f"{role} names {name!r}, no entry of samples; samples: {', '.join(doc['samples'])}")
-
     variants = {}
     for name, v in doc["variants"].items():
         transforms = tuple((next(iter(t)), dict(next(iter(t.values())) or {})) for t in v.get("transforms", []))
         variants[name] = Variant(name, v["precision"], transforms, v.get("timed", True))
-    # Speed is measured against the baseline and decided on the candidate: neither can be quality-only.
-    for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),
-                       *[(f"baseline.by_setting.{s}", n) for s, n in doc["baseline"].get("by_setting", {}).items()]]:
-        if name in variants and not variants[name].timed:
-            problems.append(f"{role} names {name!r}, a quality-only variant (timed: false): it must be timed")
-    for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),
-                       *[(f"baseline.by_setting.{s}", n) for s, n in doc["baseline"].get("by_setting", {}).items()],
-                       *[("quality_against", n) for n in doc["quality_against"]],
-                       *[(f"decision.conditions[{i}].relative_to", c["relative_to"])
-                         for i, c in enumerate(doc["decision"]["conditions"]) if "relative_to" in c]]:
-        if name not in variants:
-            problems.append(f"{role} names unknown variant {name!r}; variants: {', '.join(variants)}")
-    for target, only in (doc.get("targets") or {}).items():
-        for s in (only or {}).get("settings", []):
-            if s not in settings:
-                problems.append(f"targets.{target}.settings names unknown setting {s!r}")
-        kept = set((only or {}).get("variants", variants))
-        for v in kept - set(variants):
-            problems.append(f"targets.{target}.variants names unknown variant {v!r}")
-        for s in (only or {}).get("settings", settings):
-            base = doc["baseline"].get("by_setting", {}).get(s, doc["baseline"]["default"])
-            if s in settings and base not in kept:
-                problems.append(f"targets.{target}.variants leaves out {base!r}, the baseline of setting {s!r}")
-        problems += [f"targets.{target}.variants leaves out {v!r}, which quality_against names"
-                     for v in doc["quality_against"] if v in variants and v not in kept]
-    for name in doc["baseline"].get("by_setting", {}):
-        if name not in settings:
-            problems.append(f"baseline.by_setting names unknown setting {name!r}; settings: {', '.join(settings)}")
-    for model in models.values():
-        for s in model.settings:
-            if s in settings and _calibration_setting(doc, model.name, s, settings, model.settings) is None:
-                problems.append(f"model {model.name!r}: setting {s!r} has no quality setting of its shape "
-                                f"(by {doc.get('calibrate_by', 'every shape key')}) to calibrate at")
-
-    problems += _engine_problems(doc, models)
-    problems += _condition_problems(doc)
-    if main_quality_condition(doc["decision"]) is None:
-        problems.append("decision has no per-row quality condition (table: quality, reduce: min or max): its column "
-                        "is the study's main quality metric, which the speed-vs-quality plot draws")
+    problems += checks.study_problems(doc, models, settings, datasets, variants)
 
     if against_code and problems:  # the layers only once the rest is sound (a model may be missing)
-        problems += _problems_against_code(doc, models, variants, settings, match_layers=False)
+        problems += checks.problems_against_code(doc, models, variants, settings, match_layers=False)
     elif against_code:
-        passed = CODE_CHECKS / _code_check_key(doc, models)
+        passed = CODE_CHECKS / checks.code_check_key(doc, models)
         if not passed.exists():
-            problems += _problems_against_code(doc, models, variants, settings, match_layers=True)
+            problems += checks.problems_against_code(doc, models, variants, settings, match_layers=True)
             if not problems:
                 passed.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(passed, json.dumps({"passed": True}))  # a marker read back whole
     if problems:
         raise ConfigError(f"invalid study ({where}):\n" + "\n".join(f"  {p}" for p in problems))
-    return Study(doc["study"], doc["family"], models, settings, datasets, variants, doc,
-                 {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()}, doc.get("published"))
-
-
-# The speed table's columns (aggregate: a timing row, its repeats, its Amdahl bound, its target), beside
-# the settings' shape keys: what a decision condition on that table may name. A quality table's columns
-# are its family's metric blocks. tests/test_workflow.py checks a run's rows against this list.
-SPEED_COLUMNS = frozenset({
-    "target", "model", "setting", "variant", "graph", "status", "error", "source", "gpu", "backend", "batch",
-    "baseline", "variant_ms", "variant_spread", "baseline_ms", "x", "x_min", "x_max", "repeat", "repeats", "x_by_repeat",
-    "x_jobs_min", "x_jobs_max", "x_jobs_spread", "timing_sources", "bound", "bound_note", "at_limit", "x_of_bound",
-    "f", "f_basis", "f_kind", "f_source", "g", "g_source", "fp8_emulated",
-    "x_rounds_low", "x_rounds_high", "x_low", "x_high"})
-# The quality table's columns that are not the family's (aggregate._quality, across_evaluations).
-QUALITY_ROW_COLUMNS = frozenset({
-    "target", "model", "setting", "variant", "status", "error", "source", "gpu", "backend", "batch", "evaluations",
-    "quality_sources", "evaluation_repeat", "nonfinite", "nonfinite_detail"})
-
-
-def quality_columns(declared: QualityColumns) -> frozenset[str]:
-    """The quality table's columns from a family's declaration (Family.quality_columns), named as
-    aggregate names them: block.metric, nonfinite.<set> and .of, each number's .jobs_min and .jobs_max
-    across evaluation jobs, reference.block.metric, and the columns every quality row has."""
-    own = {f"{b}.{m}" for b, metrics in declared.blocks.items() for m in metrics}
-    own |= {f"nonfinite.{s}{end}" for s in declared.nonfinite for end in ("", ".of")}
-    return frozenset(own | {f"{c}.jobs_{e}" for c in own | {"nonfinite"} for e in ("min", "max")} | QUALITY_ROW_COLUMNS
-                     | {f"reference.{b}.{m}" for b, metrics in declared.reference.items() for m in metrics})
-
-
-# Row fields every table has, whose values a condition's `rows` filter may name.
-ROW_FIELDS = {"target": "targets", "model": "models", "setting": "settings", "variant": "variants"}
-
-
-def _condition_problems(doc: dict[str, Any]) -> list[str]:
-    """Decision conditions whose speed column, row filter or sample list names nothing: such a condition
-    finds no rows, and the decision counts it as not met, a changed answer instead of an error. (The
-    quality table's columns are the family's: _problems_against_code checks those.)"""
-    known = {"models": list(doc["models"]), "settings": list(doc["settings"]), "variants": list(doc["variants"]),
-             "targets": list(doc.get("targets") or {})}
-    problems = _column_problems(doc, "speed", SPEED_COLUMNS)
-    for i, c in enumerate(doc["decision"]["conditions"]):
-        where = f"decision.conditions[{i}] ({c['name']!r})"
-        for key, value in (c.get("rows") or {}).items():
-            names = known.get(ROW_FIELDS.get(key, ""))
-            if names and value not in names:
-                problems.append(f"{where}: rows names {key} {value!r}, which the study has none of; its "
-                                f"{ROW_FIELDS[key]}: {', '.join(names)}")
-        for name in c.get("samples", []):
-            if name not in doc["samples"]:
-                problems.append(f"{where}: samples names {name!r}, which the study has no sample list of; its "
-                                f"sample lists: {', '.join(doc['samples'])}")
-    return problems
-
-
-def _column_problems(doc: dict[str, Any], table: str, columns: frozenset[str]) -> list[str]:
-    """The decision conditions on `table` whose column or row filter is none of its `columns` (or the
-    settings' shape keys, which every table has)."""
-    columns = columns | {k for s in doc["settings"].values() for k in s if k not in ("engine", "quality")}
-    problems = []
-    for i, c in enumerate(doc["decision"]["conditions"]):
-        if c["table"] != table:
-            continue
-        where = f"decision.conditions[{i}] ({c['name']!r})"
-        for what, name in [("column", c["column"]), *(("rows filter", key) for key in c.get("rows") or {})]:
-            if name in columns:
-                continue
-            near = difflib.get_close_matches(name, columns, n=3)
-            # without a near name, every column but the .jobs_ ranges (each number has both)
-            listed = sorted(col for col in columns if not col.endswith((".jobs_min", ".jobs_max")))
-            problems.append(f"{where}: {what} {name!r} is no column of the {table} table; "
-                            + (f"did you mean {' or '.join(near)}?" if near else f"its columns: {', '.join(listed)}"))
-    return problems
+    timing = doc["timing"]
+    return Study(
+        doc["study"], doc["family"], doc["title"], models, settings, datasets, samples, variants,
+        Recipe.from_params(doc["recipe"]), Baseline(doc["baseline"]["default"], dict(doc["baseline"].get("by_setting", {}))),
+        doc["candidate"],
+        Timing(timing["warmup"], timing["rounds"], timing["calls_per_round"], timing["repeats"], timing["min_effect"],
+               timing.get("min_round_ms")),
+        Decision(tuple(Condition.from_config(c) for c in doc["decision"]["conditions"])),
+        doc["metrics"], doc["seeds"], tuple(doc["evaluation_samples"]), tuple(doc["quality_against"]),
+        doc["reference_dtype"], doc["evaluation"]["repeats"],
+        None if "calibrate_by" not in doc else tuple(doc["calibrate_by"]),
+        {n: s["engine"] for n, s in doc["settings"].items() if "engine" in s},
+        {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()}, doc.get("published"), doc)
 
 
 def _names(value: str | list[str] | None) -> list[str]:
@@ -698,120 +327,6 @@ def _published_problems(published: dict[str, Any], docs: list[dict[str, Any]], s
                     problems.append(f"{s['title']!r}, row {s['row']!r}, column {s['column']!r}: {key} {name!r} is no "
                                     f"{key} of study {study}" + (f" on {', '.join(published['runs'])}" if key == "target" else "")
                                     + f"; its {key}s: {', '.join(dict.fromkeys(names))}")
-    return problems
-
-
-def _engine_of(settings: dict[str, dict[str, Any]], name: str) -> str:
-    """The setting whose engines setting `name` runs on (its `engine:`, else itself): the one lookup."""
-    return settings[name].get("engine", name)
-
-
-def _engine_problems(doc: dict[str, Any], models: dict[str, Model]) -> list[str]:
-    """`engine:` names a setting that builds its own engines, on every model that has this one."""
-    problems = []
-    for name in doc["settings"]:
-        engine = _engine_of(doc["settings"], name)
-        if engine == name:
-            continue
-        if engine not in doc["settings"]:
-            problems.append(f"setting {name!r}: engine names unknown setting {engine!r}")
-        elif _engine_of(doc["settings"], engine) != engine:
-            problems.append(f"setting {name!r}: engine {engine!r} is timed on another setting's engine "
-                            f"itself; name the setting that builds it")
-        else:
-            problems += [f"model {m.name!r} has setting {name!r} but not {engine!r}, whose engines it is timed on"
-                         for m in models.values() if name in m.settings and engine not in m.settings]
-    return problems
-
-
-def _metrics_and_seeds_problems(doc: dict[str, Any], family) -> list[str]:
-    """The study's `metrics` against its family's schema, and its `seeds` against the names the family
-    draws with (each required, no other): a misspelt key would otherwise be ignored, or read as a default."""
-    name = doc["family"]
-    problems = [f"metrics{''.join(f'.{p}' for p in e.absolute_path)}: {e.message} (the {name} family's metrics)"
-                for e in jsonschema.Draft202012Validator(family.metrics_schema).iter_errors(doc["metrics"])]
-    problems += [f"seeds.{s} is required: the {name} family draws with it" for s in family.seeds if s not in doc["seeds"]]
-    problems += [f"seeds.{s} is no seed the {name} family uses; its seeds: {', '.join(family.seeds) or 'none'}"
-                 for s in doc["seeds"] if s not in family.seeds]
-    return problems
-
-
-def _engine_fit(family, setting: Setting, engine: Setting, model: Model) -> list[str]:
-    """Each input of the setting's graphs within the engine setting's: a static size equal, a
-    dynamic one within the range the engine is built for."""
-    problems = []
-    built = family.graphs(engine, model.architecture)
-    for g, graph in family.graphs(setting, model.architecture).items():
-        for name, t in graph.inputs.items():
-            e = built[g].inputs[name]
-            for axis, (n, m) in enumerate(zip(t.shape, e.shape)):
-                dim = e.dynamic.get(axis)
-                if (dim is None and n != m) or (dim is not None and not dim.min <= n <= dim.max):
-                    allowed = f"{m}" if dim is None else f"{dim.min} to {dim.max}"
-                    problems.append(f"setting {setting.name!r} cannot run on the engine of {engine.name!r} "
-                                    f"({model.name}, graph {g}): {name} axis {axis} is {n}, the engine takes {allowed}")
-    return problems
-
-
-def _calibration_setting(doc: dict[str, Any], model: str, setting: str, settings: dict[str, Setting],
-                         model_settings) -> str | None:
-    shape = settings[setting].shape
-    keys = doc.get("calibrate_by", list(shape))
-    for s in model_settings:
-        if s in settings and settings[s].quality and all(settings[s].shape.get(k) == shape.get(k) for k in keys):
-            return s
-    return None
-
-
-def _code_check_key(doc: dict[str, Any], models: dict[str, Model]) -> str:
-    """What the checks against the code depend on: the study, its architectures, this package's
-    source and the model libraries' versions. A no-op rerun then need not import torch."""
-    h = hashlib.sha256(json.dumps([doc, {n: m.architecture for n, m in models.items()}], sort_keys=True).encode())
-    for path in sorted((ROOT / "quantstudy").rglob("*.py")):
-        h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
-    for package in ("torch", "transformers", "timm", "nvidia-modelopt"):
-        try:
-            h.update(f"{package}=={importlib.metadata.version(package)}".encode())
-        except importlib.metadata.PackageNotFoundError:
-            h.update(f"{package} missing".encode())
-    return h.hexdigest()
-
-
-def _problems_against_code(doc: dict[str, Any], models: dict[str, Model], variants: dict[str, Variant],
-                           settings: dict[str, Setting], match_layers: bool) -> list[str]:
-    """The names a study gives the code: its family, its settings' shapes, its transforms, the
-    layers its patterns match."""
-    from quantstudy import families, quantization  # deferred: these import torch
-
-    if doc["family"] not in families.names():
-        return [f"unknown family {doc['family']!r}; registered families: {', '.join(families.names())}"]
-    family = families.get(doc["family"])
-    known = quantization.transform_names(family.transforms())
-    problems = [f"variant {v.name!r} names unknown transform {t!r}; known transforms: {', '.join(sorted(known))}"
-                for v in variants.values() for t, _ in v.transforms if t not in known]
-    problems += [p for s in settings.values() for p in family.check_setting(s)]
-    problems += _metrics_and_seeds_problems(doc, family)
-    declared = family.quality_columns(list(doc["evaluation_samples"]), list(doc["quality_against"]))
-    problems += _column_problems(doc, "quality", quality_columns(declared))
-    if doc["quality_against"] and declared == family.quality_columns(list(doc["evaluation_samples"]), []):
-        problems.append(f"quality_against names {', '.join(doc['quality_against'])}, but the {doc['family']} family's "
-                        "evaluation compares with no other engine: those engines would be opened and measure nothing")
-    if problems or not match_layers:
-        return problems
-    for name in doc["settings"]:
-        engine = _engine_of(doc["settings"], name)
-        for model in (m for m in models.values() if engine != name and name in m.settings):
-            problems += _engine_fit(family, settings[name], settings[engine], model)
-    # Each pattern with where it is written: a misspelt one would build another variant than meant.
-    patterns = [("recipe pattern", p) for p in doc["recipe"]["quantize"]]
-    patterns += [(f"variant {v.name!r}: fp8 {k} pattern", p) for v in variants.values() for t, params in v.transforms
-                 if t == "fp8" for k in ("include", "add", "exclude") for p in params.get(k, [])]
-    for model in models.values():
-        layers = family.quantizable_layers(model.architecture)
-        for where, pattern in patterns:
-            if not fnmatch.filter(layers, pattern):
-                problems.append(f"{where} {pattern!r} matches no layer of {model.name} "
-                                f"({model.architecture_name}); its linear layers are like {layers[:3]}")
     return problems
 
 

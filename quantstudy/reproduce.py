@@ -162,7 +162,7 @@ def reproduce(study_dir: str | Path, configfile: str, jobs: list[str], scratch: 
     scratch = Path(scratch or tempfile.mkdtemp(prefix=f"reproduce-{study_dir.name}-"))
     report: dict[str, Any] = {"study": study_dir.name, "configfile": configfile, "scratch": str(scratch),
                               "jobs": [], "skipped": []}
-    min_effect = config.run_of_study(configfile, study_dir.name).studies[study_dir.name].min_effect
+    min_effect = config.run_of_study(configfile, study_dir.name).studies[study_dir.name].timing.min_effect
     recorded, runnable = {}, []
     for path in jobs:
         try:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from quantstudy import artifacts, hub, paths
 from quantstudy.artifacts import now, provenance, read_json, sha256_path, write_json
-from quantstudy.config import Target, on_its_card
+from quantstudy.config import Recipe, Target, on_its_card
 from quantstudy.timing import measures_speed
 
 if TYPE_CHECKING:  # for annotations only: a step imports backends (and torch) when it runs
@@ -104,10 +104,10 @@ def _family(name: str):
 
 
 def _setting(setting: dict[str, Any]):
-    """A setting as rules pass it (plain values, so that Snakemake sees a change) -> base.Setting."""
+    """A setting as rules pass it (Setting.as_params) -> base.Setting."""
     from quantstudy.families.base import Setting
 
-    return Setting(setting["name"], setting["batch"], setting["shape"], setting.get("quality", True))
+    return Setting.from_params(setting)
 
 
 def _snapshot(checkpoint_json: str) -> str:
@@ -263,26 +263,26 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
 
     started = now()
     job_settings()
-    fam, st, ckpt = _family(family), _setting(setting), _snapshot(checkpoint_json)
+    fam, st, ckpt, rec = _family(family), _setting(setting), _snapshot(checkpoint_json), Recipe.from_params(recipe)
     device = _device()
     graph = next(iter(fam.graphs(st, architecture)))
     paths = [samples_json] if isinstance(samples_json, (str, Path)) else list(samples_json)
     samples = [s for p in paths for s in read_samples(p, family)]
     # The module in the calibration's dtype (default fp32; bf16 where the write-up calibrated the bf16 model).
-    dtype = recipe["activation_calibration"].get("dtype", "float32")
+    dtype = rec.calibration_dtype
     with _gpu_work(device):
         module = fam.module(ckpt, graph, st).to(device, getattr(torch, dtype))
         batches = [{k: v.to(device) for k, v in b.items()} for b in fam.calibration_batches(ckpt, samples, st)]
         log.info("calibrating %s (%s, graph %s, %s) on %d samples (%d batches)", model, st.name, graph, dtype,
                  len(samples), len(batches))
         amax = quantization.calibrate(module, batches, Progress("calibration batches", len(batches)))
-    layers = quantization.select(sorted(amax), recipe["quantize"])
-    report = quantization.outliers(amax, layers, recipe["outlier_ratio"])
+    layers = quantization.select(sorted(amax), list(rec.quantize))
+    report = quantization.outliers(amax, layers, rec.outlier_ratio)
     log.info("largest scale ratio to the median: %s; outliers: %s", report["largest_ratio"], report["layers"])
     write_json(out, "amax", {
         "model": model, "setting": st.name, "shape": dict(st.shape), "graph": graph, "device": device, "dtype": dtype, "amax": amax,
         "recipe_layers": layers, "outliers": report,
-        "calibration": {"config": recipe["activation_calibration"], "samples": len(samples), "batches": len(batches)},
+        "calibration": {"config": rec.activation_calibration, "samples": len(samples), "batches": len(batches)},
         "provenance": provenance("calibrate", {"checkpoint": checkpoint_json,
                                                **{f"samples[{i}]" if len(paths) > 1 else "samples": p
                                                   for i, p in enumerate(paths)}},

@@ -75,7 +75,7 @@ def workflow_builds(todo: list[tuple[config.Study, str, str]], target: config.Ta
     they need: local hub, checkpoint, samples, calibration), as `snakemake <build.json>` would: these
     are the study's own engines, cached and rebuilt only when their inputs change."""
     wanted = sorted({study.build_json(target.name, m, st, v) for study, m, st in todo
-                     for v in (study.baseline(st), study.candidate)})
+                     for v in (study.baseline.of(st), study.candidate)})
     _say(f"snakemake: {len(wanted)} builds")
     done = subprocess.run([sys.executable, "-m", "snakemake", "--configfile", *map(str, config_files), "--cores", str(cores),
                            "--keep-going", "--rerun-incomplete", *wanted], capture_output=True, text=True)
@@ -188,7 +188,7 @@ def measure(study: config.Study, model: str, setting: str, target: config.Target
         lap = time.perf_counter()
         _say(f"{model}/{setting}: {what} {seconds[what]} s")
 
-    baseline, candidate = study.baseline(setting), study.candidate
+    baseline, candidate = study.baseline.of(setting), study.candidate
     builds = {}
     for v in (baseline, candidate):
         path = Path(study.build_json(target.name, model, setting, v))
@@ -240,7 +240,7 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
     """One graph of the built baseline and candidate against the plain ones: open, check, time, profile.
     A compile worker (--open-only) opens its one engine and returns None."""
     family, st = study.family, study.setting(setting)
-    baseline, candidate = study.baseline(setting), study.candidate
+    baseline, candidate = study.baseline.of(setting), study.candidate
     on = "" if graph == "main" else f" {graph}"  # in the step names of a family with several graphs
     example = steps.example_inputs(family, snapshot, graph, st, builds[baseline]["spec"]["precision"])
     runners, fp8_layers = {}, {}
@@ -252,7 +252,7 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
     for v in (baseline, candidate):
         if opens(f"project {v}"):
             with fx_graph_cache() as cache:
-                runners[f"project {v}"] = steps.open_engines(family, builds[v], study.recipe, ckpt, st, target,
+                runners[f"project {v}"] = steps.open_engines(family, builds[v], study.recipe.as_params(), ckpt, st, target,
                                                              [graph])[graph]
             done(f"project {v}{on}: open (compile, capture{cache})")
             opened, engine = runners[f"project {v}"], builds[v]["graphs"][graph]
@@ -277,7 +277,7 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
                               runners[f"project {candidate}"].static_inputs, plain.layer_prefix(family))
     result_check = check(outputs, fp32_outputs(family, snapshot, st, graph, example, target.device), baseline,
                          candidate, layers)
-    t = {**study.timing_rounds, **{k: v for k, v in (("warmup", args.warmup), ("rounds", args.rounds),
+    t = {**study.timing.job_params(), **{k: v for k, v in (("warmup", args.warmup), ("rounds", args.rounds),
                                                      ("calls_per_round", args.calls)) if v is not None}}
     with qt.device_lock(target.device):
         timed = qt.time_interleaved(runners, t["warmup"], t["rounds"], t["calls_per_round"])

@@ -4,7 +4,7 @@ import sys
 sys.path.insert(0, workflow.basedir)  # the study package lives beside the Snakefile
 
 from quantstudy import backend_traits, paths
-from quantstudy.config import calibration_sample_sets, load_run
+from quantstudy.config import load_run
 
 # Raises ConfigError, a readable sentence, before any job runs. A cluster job re-reads this
 # file twice (sbatch step, then srun step); the checks against the code import torch and cost
@@ -42,8 +42,7 @@ def study(w):
 
 def setting_params(w, name=None):
     """The setting as plain values: a rule's params, so that a changed shape reruns its jobs."""
-    s = study(w).setting(name or w.setting)
-    return {"name": s.name, "batch": s.batch, "shape": dict(s.shape), "quality": s.quality}
+    return study(w).setting(name or w.setting).as_params()
 
 
 def served_settings(w):
@@ -53,7 +52,7 @@ def served_settings(w):
 
 def timing_rounds(w):
     """How each timing job times (not how many jobs: raising `repeats` adds jobs, it reruns none)."""
-    return study(w).timing_rounds
+    return study(w).timing.job_params()
 
 
 def architecture(w):
@@ -64,8 +63,13 @@ def variant_spec(w):
     return study(w).variants[w.variant].spec(study(w).setting(w.setting))
 
 
+def recipe_params(w):
+    """The study's recipe as configured: a rule's params."""
+    return study(w).recipe.as_params()
+
+
 def target_params(w):
-    return {"target": w.target, **vars(RUN.targets[w.target])}
+    return RUN.targets[w.target].as_params()
 
 
 def local_hub_input(w):
@@ -87,7 +91,7 @@ def evaluation_samples(w):
 
 
 def calibration_samples(w):
-    return [samples_json(w, name) for name in calibration_sample_sets(study(w).recipe)]
+    return [samples_json(w, name) for name in study(w).recipe.calibration_samples]
 
 
 def study_sample_lists(w):
@@ -155,7 +159,7 @@ def against_builds(w):
 
 
 def baseline_build(w):
-    return variant_build(w, study(w).baseline(w.setting))
+    return variant_build(w, study(w).baseline.of(w.setting))
 
 
 def reference_json(w):

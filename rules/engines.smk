@@ -21,7 +21,7 @@ rule export:
         setting=setting_params,
         architecture=architecture,
         spec=variant_spec,
-        recipe=lambda w: study(w).recipe,
+        recipe=recipe_params,
     script:
         "../scripts/export.py"
 
@@ -50,7 +50,7 @@ rule build:
         serves=served_settings,
         architecture=architecture,
         spec=variant_spec,
-        recipe=lambda w: study(w).recipe,
+        recipe=recipe_params,
     script:
         "../scripts/build.py"
 
@@ -77,7 +77,7 @@ rule time:
         family=lambda w: study(w).family,
         target=target_params,
         setting=setting_params,
-        recipe=lambda w: study(w).recipe,
+        recipe=recipe_params,
         # not `repeats`: asking for more repeats adds jobs and keeps those already run
         timing=timing_rounds,
         repeat=repeat_index,
@@ -104,8 +104,8 @@ rule profile:
         family=lambda w: study(w).family,
         target=target_params,
         setting=setting_params,
-        recipe=lambda w: study(w).recipe,
-        calls=lambda w: study(w).timing_rounds["calls_per_round"],
+        recipe=recipe_params,
+        calls=lambda w: study(w).timing.calls_per_round,
     script:
         "../scripts/profile.py"
 
@@ -131,7 +131,7 @@ rule gemm:
         setting=setting_params,
         architecture=architecture,
         specs=fp8_variant_specs,
-        recipe=lambda w: study(w).recipe,
+        recipe=recipe_params,
         timing=timing_rounds,
     script:
         "../scripts/gemm.py"
@@ -160,7 +160,7 @@ rule evaluate:
         family=lambda w: study(w).family,
         target=target_params,
         setting=setting_params,
-        recipe=lambda w: study(w).recipe,
+        recipe=recipe_params,
         metrics=lambda w: study(w).metrics,
         seeds=lambda w: study(w).seeds,
         samples=lambda w: list(evaluation_samples(w)),

@@ -55,8 +55,8 @@ rule fetch_dataset:
         WORKFLOW_ENV
     params:
         name=lambda w: w.samples,
-        samples_spec=lambda w: study(w).sample_spec(w.samples),
-        dataset=lambda w: study(w).sample_dataset(w.samples),
+        samples_spec=lambda w: study(w).samples[w.samples].as_params(),
+        dataset=lambda w: study(w).sample_dataset(w.samples).as_params(),
         family=lambda w: study(w).family,
         cache_dir=RUN.hf_cache,
         offline=RUN.offline,

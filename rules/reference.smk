@@ -43,6 +43,6 @@ rule calibrate:
         model=lambda w: w.model,
         setting=setting_params,
         architecture=architecture,
-        recipe=lambda w: study(w).recipe,
+        recipe=recipe_params,
     script:
         "../scripts/calibrate.py"

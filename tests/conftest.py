@@ -51,7 +51,7 @@ def tiny_inputs(tmp_path_factory, test_run):
     samples = {}  # every sample set of the study: {name: its sample list's path}
     for name in ("calibration", *study.evaluation_samples):
         samples[name] = out / f"{name}.json"
-        steps.fetch_dataset(name, study.sample_spec(name), study.sample_dataset(name), study.family, cache, True,
+        steps.fetch_dataset(name, study.samples[name].as_params(), study.sample_dataset(name).as_params(), study.family, cache, True,
                             str(out / "checkpoint.json"), str(samples[name]))
     return {"dir": out, "study": study, "checkpoint": out / "checkpoint.json",
             "calibration": samples["calibration"], "samples": samples}

@@ -78,7 +78,7 @@ def test_real_study_names_the_write_up_revisions():
     study = qc.load_study("config/studies/fnet.yaml")
     assert study.models["fnet-base"].revision == "d89b6fad3cf5384848b783dc480f9685f49d008c"
     assert study.models["fnet-large"].revision == "8b66d3b6d2164befbab948ce455230659c700043"
-    assert study.raw["samples"]["calibration"]["count"] == 544
+    assert study.samples["calibration"].count == 544
 
 
 @pytest.mark.parametrize("revision", ["main", "v1.0", "d89b6", "D89B6FAD3CF5384848B783DC480F9685F49D008C"])
@@ -185,6 +185,33 @@ def test_a_decision_needs_a_per_row_quality_condition(tmp_path):
                                      if c["table"] == "speed" or c["reduce"] not in ("min", "max")]
     with pytest.raises(qc.ConfigError, match=r"decision has no per-row quality condition \(table: quality, reduce: min or max\)"):
         load(doc, tmp_path)
+
+
+def test_the_study_is_typed_and_crosses_into_params_as_configured(tmp_path):
+    """Rules read attributes of the typed study; what crosses into a rule's params (and every JSON's
+    provenance) is the config as written, key order included, so that no recorded job looks changed."""
+    from quantstudy.families.base import Setting
+
+    doc = study_doc()
+    doc["baseline"]["by_setting"] = {"w512": "fp32"}
+    doc["timing"] = {"calls_per_round": 3, "warmup": 2, "rounds": 5, "repeats": 2}  # not in the schema's order
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))  # the file's order, not sorted
+    study = qc.load_study(tmp_path / "study.yaml")
+    assert (study.baseline.of("w512"), study.baseline.of("w128")) == ("fp32", doc["baseline"]["default"])
+    assert list(study.timing.job_params().items()) == [("warmup", 2), ("rounds", 5), ("calls_per_round", 3)]
+    assert study.timing.repeats == 2 and study.timing.min_effect == qc.MIN_EFFECT
+    assert list(study.recipe.as_params()) == list(doc["recipe"]) and study.recipe.quantize == tuple(doc["recipe"]["quantize"])
+    assert study.recipe.calibration_samples == qc.calibration_sample_sets(doc["recipe"])
+    spec = study.samples["calibration"]
+    assert spec.as_params() == doc["samples"]["calibration"] and spec.count == doc["samples"]["calibration"]["count"]
+    assert study.sample_dataset("calibration").name == doc["samples"]["calibration"]["dataset"]
+    assert all(isinstance(c, qc.Condition) for c in study.decision.conditions)
+    setting = study.setting("b8-w512")
+    assert Setting.from_params(setting.as_params()) == setting
+    target = qc.Target("gpu", backend="torch", device="cuda", gpu="h200", builder={"x": 1})
+    assert qc.Target.from_params(target.as_params()) == target and target.as_params()["target"] == "gpu"
+    study.recipe.as_params()["quantize"].append("*")  # a step's copy: the study keeps its own
+    assert study.recipe.as_params() == doc["recipe"]
 
 
 def test_snakemake_lint_finds_nothing(tmp_path):
@@ -386,7 +413,7 @@ def test_a_quality_condition_may_name_the_comparison_with_a_quality_against_vari
     condition = next(c for c in doc["decision"]["conditions"] if c["table"] == "quality")
     condition.update(column="cls_vs_fp16.relative_error", reduce="max", compare="<=", threshold=0.1)
     doc["quality_against"] = ["fp16"]
-    assert load(doc, tmp_path).quality_against == ["fp16"]
+    assert load(doc, tmp_path).quality_against == ("fp16",)
 
 
 def test_quality_against_for_a_family_that_compares_with_no_other_engine_stops_the_run(tmp_path):

@@ -40,7 +40,7 @@ def test_masked_lm_agreement_is_that_of_the_engines_own_features(fam, evaluation
     from transformers import FNetForPreTraining
 
     snapshot, reference, study = evaluation_inputs["snapshot"], evaluation_inputs["reference"], evaluation_inputs["study"]
-    engine = quantization.apply_variant(fam.module(snapshot, "main", SETTING), FP16, study.recipe, {},
+    engine = quantization.apply_variant(fam.module(snapshot, "main", SETTING), FP16, study.recipe.as_params(), {},
                                         fam.transforms())[0].eval()
 
     def run(inputs, what="", whole=False):

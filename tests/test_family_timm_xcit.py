@@ -478,7 +478,7 @@ def test_the_studys_sample_sets_are_disjoint_and_fit_the_dataset(overrides, tmp_
     monkeypatch.setattr(lockfile, "LOCK_FILE", tmp_path / "revisions.lock.yaml")
     stand_in_lock(lockfile.LOCK_FILE, ["config/studies/timm_xcit.yaml"])
     study = config.load_study("config/studies/timm_xcit.yaml", overrides)
-    sets = study.raw["samples"]
+    sets = {n: s.as_params() for n, s in study.samples.items()}
     assert {s["seed"] for s in sets.values()} == {0} and {s["dataset"] for s in sets.values()} == {"imagenet"}
     ranges = sorted((s.get("offset", 0), s.get("offset", 0) + s["count"]) for s in sets.values())
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:]))

@@ -113,7 +113,7 @@ def test_the_lock_step_writes_full_commits_that_runs_then_read(tmp_path, lock_fi
     assert {r for _, r in hub.asked} <= {None, "refs/heads/main", "refs/heads/v2"}
     study = qc.load_study(spec, against_code=False)
     assert study.models["fnet-base"].revision == expected
-    assert study.raw["models"]["fnet-base"]["checkpoint"]["revision"] == expected  # what the fetch rule is given
+    assert study.document["models"]["fnet-base"]["checkpoint"]["revision"] == expected  # what tables.json records
     # Resolved once: a second call asks the hub nothing.
     hub.asked.clear()
     assert lock.main([spec], api=hub) == 0 and hub.asked == []

@@ -27,19 +27,19 @@ def measured(tiny_inputs, tmp_path_factory):
     samples = {name: str(tiny_inputs["samples"][name]) for name in study.evaluation_samples}
     steps.reference("fnet", "fnet-base", FNET_SETTING, study.metrics, study.seeds, checkpoint, samples,
                     str(out / "reference.json"), str(out / "reference.safetensors"))
-    steps.calibrate("fnet", "fnet-base", FNET_SETTING, study.models["fnet-base"].architecture, study.recipe, checkpoint,
+    steps.calibrate("fnet", "fnet-base", FNET_SETTING, study.models["fnet-base"].architecture, study.recipe.as_params(), checkpoint,
                     str(tiny_inputs["calibration"]), str(out / "amax.json"))
     builds = {}
     for variant, spec in SPECS.items():
         builds[variant] = str(out / variant / "build.json")
-        steps.build(ident(variant), "fnet", CPU_TORCH, FNET_SETTING, {}, spec, study.recipe, checkpoint,
+        steps.build(ident(variant), "fnet", CPU_TORCH, FNET_SETTING, {}, spec, study.recipe.as_params(), checkpoint,
                     str(out / "amax.json") if "fp8" in variant else None, builds[variant])
     return {"out": out, "study": study, "checkpoint": checkpoint, "samples": samples, "builds": builds}
 
 
 def evaluate(m, variant: str, against: dict[str, str], out) -> dict:
     study = m["study"]
-    steps.evaluate(ident(variant), "fnet", CPU_TORCH, FNET_SETTING, study.recipe, study.metrics, study.seeds,
+    steps.evaluate(ident(variant), "fnet", CPU_TORCH, FNET_SETTING, study.recipe.as_params(), study.metrics, study.seeds,
                    m["checkpoint"], m["builds"][variant], str(m["out"] / "reference.json"),
                    str(m["out"] / "reference.safetensors"), m["samples"], str(out), against_builds=against)
     return json.loads(out.read_text())

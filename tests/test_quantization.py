@@ -112,7 +112,7 @@ def test_amax_file_is_deterministic(tiny_inputs, tmp_path):
     for i in range(2):
         out = tmp_path / f"amax{i}.json"
         steps.calibrate(study.family, "fnet-base", {"name": "w128", "batch": 1, "shape": {"window": 128}},
-                        study.models["fnet-base"].architecture, study.recipe, str(tiny_inputs["checkpoint"]),
+                        study.models["fnet-base"].architecture, study.recipe.as_params(), str(tiny_inputs["checkpoint"]),
                         str(tiny_inputs["calibration"]), str(out))
         docs.append(json.loads(out.read_text()))
     assert docs[0]["amax"] == docs[1]["amax"]

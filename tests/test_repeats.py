@@ -33,7 +33,7 @@ def test_the_run_sets_repeats_for_every_study_and_one_job_is_the_default():
     run_doc = yaml.safe_load(TEST_CONFIG.read_text())
     assert qc.load_run(run_doc, against_code=False).studies["fnet"].repeats == 1
     run = qc.load_run({**run_doc, "timing_repeats": 3}, against_code=False)
-    assert run.studies["fnet"].repeats == 3 and run.studies["fnet"].raw["timing"]["repeats"] == 3
+    assert run.studies["fnet"].repeats == 3 and run.studies["fnet"].document["timing"]["repeats"] == 3
     for bad in (0, "2"):  # `--config timing_repeats=0`; a string is what a quoted YAML value gives
         with pytest.raises(qc.ConfigError, match=r"workflow config: timing_repeats: .* is not a number of timing jobs"):
             qc.load_run({**run_doc, "timing_repeats": bad}, against_code=False)

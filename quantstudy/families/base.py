@@ -48,6 +48,15 @@ class Setting:
     def __getitem__(self, key: str) -> int:
         return self.shape[key]
 
+    def as_params(self) -> dict[str, Any]:
+        """The setting as plain values: a rule's params, so that a changed shape reruns its jobs."""
+        return {"name": self.name, "batch": self.batch, "shape": dict(self.shape), "quality": self.quality}
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "Setting":
+        """A setting as a rule passes it (as_params)."""
+        return cls(params["name"], params["batch"], params["shape"], params.get("quality", True))
+
 
 @dataclass(frozen=True)
 class Dim:

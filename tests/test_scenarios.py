@@ -1,0 +1,38 @@
+"""The `.test/` scenarios (the snakemake-workflows habit): several small run configs, each dry-run, so
+that every family's rules resolve in CI, not only the FNet study the workflow tests run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from helpers import ROOT
+
+# Every run config under .test/ (a file with `studies:`); the others there are study overrides.
+SCENARIOS = sorted(p for p in (ROOT / ".test").glob("*.yaml") if "studies" in (yaml.safe_load(p.read_text()) or {}))
+
+
+def test_the_scenarios_cover_every_registered_family():
+    from quantstudy import config as qc, families
+
+    covered = {s.family for p in SCENARIOS for s in qc.load_run(yaml.safe_load(p.read_text()), against_code=False).studies.values()}
+    assert covered == set(families.names())
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda p: p.stem)
+def test_a_scenario_dry_runs(scenario):
+    """`snakemake -n --configfile .test/<scenario>.yaml` resolves, planning each of its studies' README
+    and audit on its targets and on no other. In the checkout, whose config/ the rules name as inputs
+    (config/published/...); a dry run writes no result."""
+    run = yaml.safe_load(scenario.read_text())
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", str(scenario)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for study in run["studies"]:
+        assert f"results/{study}/README.md" in proc.stdout and f"results/{study}/audit.json" in proc.stdout
+    planned = {line.split("/")[2] for line in proc.stdout.splitlines() if line.strip().startswith("output: results/")
+               and line.count("/") > 4 and "/timing" in line}
+    assert planned and planned <= set(run["targets"])

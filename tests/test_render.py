@@ -397,7 +397,7 @@ def test_gpt_neos_method_names_the_dtype_its_reference_files_record():
     assert [line for line in lines if line.startswith("| WikiText-2 perplexity (PyTorch bfloat16: ")]
 
     configured = yaml.safe_load((ROOT / "config/studies/gpt_neo.yaml").read_text())["reference_dtype"]
-    study = qc.load_study(ROOT / "config/studies/gpt_neo.yaml", [ROOT / "config/tiny/gpt_neo.yaml"], against_code=False).raw
+    study = qc.load_study(ROOT / "config/studies/gpt_neo.yaml", [ROOT / "config/tiny/gpt_neo.yaml"], against_code=False).document
     assert aggregate.spec_of(study)["reference_dtype"] == configured == "bfloat16"
 
 

@@ -315,7 +315,7 @@ def test_an_engine_that_finds_every_box_scores_ap_1(fam, checkpoint, tmp_path):
     rows = _tiny_split(fam, tmp_path)
     samples = fam.draw_samples(rows, {"kind": "images", "count": 8, "seed": 0, "box_format": "xyxy"}, None)
     setting = SETTINGS[1]
-    metrics = {"score_threshold": 0.5, "match_iou": 0.5}
+    metrics = {"score_threshold": 0.5, "match_iou": 0.5, "ap_resamples": 50}
     run, reference = _oracle(rows, samples)
     got = fam.evaluate(checkpoint, run, reference, {"heldout": samples}, setting, metrics, {}, "cpu")
     block = got.blocks["heldout"]

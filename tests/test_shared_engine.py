@@ -130,7 +130,7 @@ def test_the_dag_builds_a_shared_engine_once_and_times_it_at_both_sizes(tmp_path
            "settings": {"96x96": {"batch": 1, "height": 96, "width": 96},
                         "96x128": {"batch": 1, "height": 96, "width": 128, "quality": False, "engine": "96x96"}},
            "calibrate_by": [], "baseline": {"default": "fp16"}, "candidate": "fp8", "targets": {},
-           "metrics": {"score_threshold": 0.5, "match_iou": 0.5}, "seeds": {},  # the family's own
+           "metrics": {"score_threshold": 0.5, "match_iou": 0.5, "ap_resamples": 50}, "seeds": {},  # the family's own
            "variants": {"fp16": {"precision": "float16"},
                         "fp8": {"precision": "float16", "transforms": [{"fp8": {}}]}}}
     doc["recipe"] = {**doc["recipe"], "quantize": CASES["deformable_detr"].quantize}

@@ -225,7 +225,8 @@ class DeformableDetr:
     """Adapter: the Deformable DETR detector engine, its inputs, layer names and kernel groups."""
 
     kernel_groups = KERNEL_GROUPS
-    metrics_schema = base.metrics_schema({"score_threshold": base.SHARE, "match_iou": base.SHARE})
+    metrics_schema = base.metrics_schema({"score_threshold": base.SHARE, "match_iou": base.SHARE,
+                                          "ap_resamples": base.COUNT})
     seeds = ()
     regions = REGIONS
 
@@ -504,7 +505,7 @@ class DeformableDetr:
                 their_logits, their_boxes = detector_outputs(other, processor, images, setting, f"{name} on {other_name}")
                 theirs[other_name] = their_logits, _detections(their_logits, their_boxes, truth, labels)
             draws = ap_draws({"engine": mine, "reference": ref, **{k: d for k, (_, d) in theirs.items()}},
-                             rows, truth, labels)
+                             rows, truth, labels, metrics["ap_resamples"])
             drop = lambda other: ap_interval([a - b for a, b in zip(draws[other], draws["engine"])], len(rows))
             blocks[name] = {**ap, "reference_ap": ref_ap, "ap_drop": ref_ap - ap["ap"],
                             **agreement(ref_logits, ref, logits, mine, metrics),
@@ -697,12 +698,9 @@ def box_ap(detections: list[list[dict[str, Any]]], samples: list[dict[str, Any]]
     return qm.coco_box_ap(images, annotations, found, categories)
 
 
-AP_RESAMPLES = 200  # each resample evaluates COCO AP of every detector whole
-
-
 def ap_draws(detectors: dict[str, list[list[dict[str, Any]]]], samples: list[dict[str, Any]],
-             truth: list[dict[str, Any]], labels: dict[str, int]) -> dict[str, list[float]]:
-    """Each detector's COCO AP on bootstrap resamples of the images (compare.bootstrap_draws): every
+             truth: list[dict[str, Any]], labels: dict[str, int], resamples: int) -> dict[str, list[float]]:
+    """Each detector's COCO AP on `resamples` bootstrap resamples of the images (compare.bootstrap_draws): every
     resample draws the images once and evaluates all the detectors on them, so that the drop from one to
     another is paired. A drawn image counts as often as it is drawn (a fresh image id each time). Empty
     lists where there are fewer than two images."""
@@ -714,7 +712,7 @@ def ap_draws(detectors: dict[str, list[list[dict[str, Any]]]], samples: list[dic
             return {name: box_ap([found[i] for i in picks], drawn, [truth[i] for i in picks], labels)["ap"]
                     for name, found in detectors.items()}
 
-    draws = compare.bootstrap_draws(aps, len(samples), AP_RESAMPLES)
+    draws = compare.bootstrap_draws(aps, len(samples), resamples)
     return {name: [d[name] for d in draws] for name in detectors}
 
 

@@ -493,7 +493,7 @@ def _ratio_interval(a: float, b: float, of_a: dict[str, Any] | None, of_b: dict[
 def with_ratio(frame: pd.DataFrame, column: str, other: str) -> pd.DataFrame:
     """Every row with the column `<column> / <other>` that `relative` gives the candidate's: its value over
     variant `other`'s on the same row key, on every variant's row (NaN where `other` has no ok row). A
-    published ratio (GPT-Neo's "KL 8 times the floor") is compared with it, and `audit chain` traces it."""
+    published ratio (a write-up's "KL 8 times the floor") is compared with it, and `audit chain` traces it."""
     if column not in frame or not len(frame):
         return frame
     keys = [k for k in ROW_KEYS if k in frame]
@@ -680,7 +680,7 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
     by_ref = {(r["model"], r["setting"]): r for r in references}
     for col in sorted({k for r in references for k in r if "." in k}):
         quality[f"reference.{col}"] = [by_ref.get((m, s), {}).get(col) for m, s in zip(quality.model, quality.setting)]
-    # A relative condition's column on every row of its table (GPT-Neo: each variant's KL over fp16's).
+    # A relative condition's column on every row of its table (each variant's KL over fp16's, say).
     for c in study["decision"]["conditions"]:
         if c.get("relative_to") and c["table"] == "quality":
             quality = with_ratio(quality, c["column"], c["relative_to"])

@@ -61,10 +61,10 @@ def _note_damaged(e: DamagedArtifact, kind: str, damaged: list[dict[str, str]]) 
     damaged.append({"source": e.path, "kind": kind, "error": str(e)})
 
 
-def _readable(paths: list[str], kind: str, damaged: list[dict[str, str]]) -> list[tuple[str, dict[str, Any]]]:
+def _readable(files: list[str], kind: str, damaged: list[dict[str, str]]) -> list[tuple[str, dict[str, Any]]]:
     """(path, doc) of the artifacts that read as `kind`; each one that does not goes to `damaged`."""
     docs = []
-    for path in paths:
+    for path in files:
         try:
             docs.append((path, read_json(path, kind)))
         except DamagedArtifact as e:
@@ -72,12 +72,12 @@ def _readable(paths: list[str], kind: str, damaged: list[dict[str, str]]) -> lis
     return docs
 
 
-def _rows(paths: list[str], kind: str, flatten_doc: Callable[[dict], Iterable[dict]],
+def _rows(files: list[str], kind: str, flatten_doc: Callable[[dict], Iterable[dict]],
           damaged: list[dict[str, str]]) -> pd.DataFrame:
     """One or more rows per JSON (a row per graph where the JSON has graphs); a failed JSON is one
     row, and so is a damaged one (status "damaged"), which also goes to `damaged`."""
     rows = []
-    for path in paths:
+    for path in files:
         try:
             doc = read_json(path, kind)
         except DamagedArtifact as e:

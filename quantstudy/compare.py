@@ -254,7 +254,7 @@ def bootstrap_draws(statistics_of: Callable[[list[int]], dict[str, float]], unit
     """Seeded bootstrap replicates of statistics that are no mean (COCO AP over images): `statistics_of(picks)`
     computes them all on the units at `picks` (indices drawn with replacement), so that statistics of one
     draw stay paired (an engine's AP and the reference's on the same images). Fewer resamples by default:
-    each one computes the statistics whole. None where there are fewer than two units."""
+    each one computes the statistics whole. No replicates where there are fewer than two units."""
     if units < 2:
         return []
     rng = random.Random(seed)

@@ -28,19 +28,23 @@ DETECTION_AGREEMENT = ("precision", "recall", "matched", "engine_detections", "r
                        "score_threshold", "iou_threshold")
 
 
+def interval_record(low: float, high: float, n: int, unit: str, method: str = "bootstrap") -> dict[str, Any]:
+    """How a quality block keeps a metric's interval, under "intervals" beside its scalars:
+    {metric: {low, high, n, unit, method, level}} (the verdict's level)."""
+    return {"low": low, "high": high, "n": n, "unit": unit, "method": method, "level": compare.VERDICT_LEVEL}
+
+
 def mean_interval(values: torch.Tensor | list[float], clusters: torch.Tensor | list[int] | None = None,
                   unit: str = "tokens", transform=None) -> dict[str, Any]:
     """A metric's interval where it is a mean over units (compare.mean_interval, a bootstrap at the verdict's
     level): over whole clusters where given (`unit` names what a cluster is: the texts a token came from),
-    else over single values; `transform` maps the mean's ends (exp for perplexity). A block keeps it
-    under "intervals", beside its scalars: {metric: {low, high, n, unit, method, level}}."""
-    values = torch.as_tensor(values, dtype=torch.float64).tolist()
-    ids = None if clusters is None else torch.as_tensor(clusters).tolist()
+    else over single values; `transform` maps the mean's ends (exp for perplexity)."""
+    values = torch.as_tensor(values, dtype=torch.float64).numpy()
+    ids = None if clusters is None else torch.as_tensor(clusters).numpy()
     low, high = compare.mean_interval(values, ids)
     if transform is not None:
         low, high = transform(low), transform(high)
-    return {"low": low, "high": high, "n": len(values) if ids is None else len(set(ids)), "unit": unit,
-            "method": "bootstrap", "level": compare.VERDICT_LEVEL}
+    return interval_record(low, high, len(values) if ids is None else len(np.unique(ids)), unit)
 
 
 def finite_rows(x: torch.Tensor) -> torch.Tensor:

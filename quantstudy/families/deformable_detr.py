@@ -717,13 +717,12 @@ def ap_draws(detectors: dict[str, list[list[dict[str, Any]]]], samples: list[dic
 
 
 def ap_interval(draws: list[float], images: int) -> dict[str, Any] | None:
-    """An AP's (or a drop's) interval from its bootstrap draws (ap_draws), as metrics.mean_interval records one."""
-    from quantstudy import compare
+    """An AP's (or a drop's) interval from its bootstrap draws (ap_draws), kept as metrics.interval_record."""
+    from quantstudy import compare, metrics as qm
 
     if not draws:
         return None
-    low, high = compare.percentile_interval(draws)
-    return {"low": low, "high": high, "n": images, "unit": "images", "method": "bootstrap", "level": compare.VERDICT_LEVEL}
+    return qm.interval_record(*compare.percentile_interval(draws), images, "images")
 
 
 def agreement(ref_logits: torch.Tensor, ref_detections: list[list[dict[str, Any]]], logits: torch.Tensor,

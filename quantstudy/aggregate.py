@@ -20,6 +20,7 @@ import pandas as pd
 from quantstudy import artifacts, bound, compare, paths, timing
 from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, sha256_file, write_json
 from quantstudy.config import PUBLISHED_KEYS, UNIT_SCALE, calibration_sample_sets, load_published, shape_of
+from quantstudy.study import calibration_label
 from quantstudy.families.base import measured_against
 from quantstudy.render import value_range
 
@@ -617,6 +618,25 @@ def compare_published(published: dict[str, Any], tables: dict[str, list[dict[str
     return out
 
 
+
+def calibration_row(amax: dict[str, Any], study: dict[str, Any]) -> dict[str, Any]:
+    """One amax file as a row: its method ("recipe": the recipe's own; "variants": those that name it), and
+    its layers and outliers, or why the method failed."""
+    recipe_method = {"method": study["recipe"]["activation_calibration"]["algorithm"]}
+    method = amax["calibration"].get("method") or recipe_method
+    row = {"model": amax["model"], "setting": amax["setting"], "method": calibration_label(method),
+           "recipe": method == recipe_method,
+           "variants": [n for n, v in study["variants"].items() if v.get("calibration") == method],
+           "status": amax.get("status", "ok"), "samples": amax["calibration"]["samples"], "source": amax["source"]}
+    if row["status"] != "ok":
+        return {**row, "error": artifacts.error_summary(amax["error"])}
+    changed = amax["calibration"].get("changed_from_max")
+    if changed is not None:  # the recipe's layers whose amax the method moved from max calibration's
+        row["changed_from_max"] = {k: len(set(v) & set(amax["recipe_layers"])) for k, v in changed.items()}
+    return {**row, **amax["shape"], "layers": len(amax["recipe_layers"]),
+            "largest_ratio": amax["outliers"]["largest_ratio"], "outliers": amax["outliers"]["layers"],
+            "ratio": amax["outliers"]["ratio"]}
+
 def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[str, str], run: dict[str, Any],
               targets: dict[str, dict[str, Any]], out: str) -> None:
     """tables.json: the tables of the input files, with every argument they were made from in its
@@ -709,10 +729,7 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
         speed = _with_bounds(speed, gemms, {(d["target"], d["model"], d["setting"], d["variant"]): (p, d)
                                             for p, d in kernel_files}, baselines, threshold, profiles)
     log.info("%d timing, %d quality, %d build, %d kernel rows", len(speed), len(quality), len(builds), len(kernels))
-    calibration = [{"model": a["model"], "setting": a["setting"], **a["shape"], "layers": len(a["recipe_layers"]),
-                    "largest_ratio": a["outliers"]["largest_ratio"], "outliers": a["outliers"]["layers"],
-                    "ratio": a["outliers"]["ratio"], "samples": a["calibration"]["samples"], "source": a["source"]}
-                   for a in amax]
+    calibration = [calibration_row(a, study) for a in amax]
     published = load_published(inputs["published"][0]) if inputs.get("published") else None
     published_rows = [] if published is None else compare_published(
         published, {"speed": _records(speed), "quality": _records(quality), "builds": _records(builds),

@@ -166,6 +166,13 @@ def provenance(rule: str, inputs: dict[str, str | Path] | None = None, params: d
     }
 
 
+def error_summary(error: str) -> str:
+    """A failed record's reason in one line: its traceback's last, the exception's module path dropped
+    ("NotApplicable: ...", not "quantstudy.quantization.NotApplicable: ...")."""
+    name, sep, reason = error.strip().splitlines()[-1].partition(": ")
+    return f"{name.rpartition('.')[2]}{sep}{reason}"
+
+
 def atomic_write(path: str | Path, data: str | bytes) -> None:
     """Write a file so that readers see either the old file or the whole new one, never a part."""
     path = Path(path)

@@ -113,6 +113,15 @@ def study_problems(doc: dict[str, Any], models: dict[str, Model], settings: dict
         if name not in doc["samples"]:
             problems.append(f"{role} names {name!r}, no entry of samples; samples: {', '.join(doc['samples'])}")
 
+    for name, v in variants.items():
+        if v.calibration is None:
+            continue
+        if v.calibration == {"method": doc["recipe"]["activation_calibration"]["algorithm"]}:
+            problems.append(f"variant {name!r}: calibration {v.calibration} is the recipe's own method; leave it out")
+        if not any(t in ("fp8", "microscaling") for t, _ in v.transforms):
+            problems.append(f"variant {name!r} names a calibration method but quantizes nothing (no fp8 or "
+                            "microscaling transform)")
+
     # Speed is measured against the baseline and decided on the candidate: neither can be quality-only.
     for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),
                        *[(f"baseline.by_setting.{s}", n) for s, n in doc["baseline"].get("by_setting", {}).items()]]:

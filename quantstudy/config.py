@@ -223,7 +223,7 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
     variants = {}
     for name, v in doc["variants"].items():
         transforms = tuple((next(iter(t)), dict(next(iter(t.values())) or {})) for t in v.get("transforms", []))
-        variants[name] = Variant(name, v["precision"], transforms, v.get("timed", True))
+        variants[name] = Variant(name, v["precision"], transforms, v.get("timed", True), v.get("calibration"))
     problems += checks.study_problems(doc, models, settings, datasets, variants)
 
     if against_code and problems:  # the layers only once the rest is sound (a model may be missing)

@@ -29,10 +29,11 @@ EXPORT_DIR = f"{STUDY_DIR}/{{model}}/{{setting}}/onnx/{{variant}}"
 LOCAL_HUB = f"{STUDY_DIR}/local_hub.json"
 CHECKPOINT = f"{STUDY_DIR}/{{model}}/checkpoint.json"
 SAMPLES = f"{STUDY_DIR}/data/{{samples}}.json"
-# The reference model's outputs at a setting, and a calibration setting's static scales.
+# The reference model's outputs at a setting, and a calibration setting's static scales: {calibration}
+# is "" for the recipe's method (amax.json), "-<method>[-<value>...]" for a variant's own (calibration_suffix).
 REFERENCE = f"{STUDY_DIR}/{{model}}/{{setting}}/reference.json"
 REFERENCE_TENSORS = f"{STUDY_DIR}/{{model}}/{{setting}}/reference.safetensors"
-AMAX = f"{STUDY_DIR}/{{model}}/calib/{{setting}}/amax.json"
+AMAX = f"{STUDY_DIR}/{{model}}/calib/{{setting}}/amax{{calibration}}.json"
 # Per variant: its ONNX export (each graph's folder beside it), its build (each graph's engine folder
 # beside it, see graph_dir), the build's measurements record, and what each measurement job wrote.
 # {repeat} is "" for a variant's first job, "-r2", "-r3" ... for its repeats (repeat_suffix).
@@ -61,6 +62,11 @@ def repeat_suffix(repeat: int) -> str:
     """The {repeat} of a variant's n-th timing or evaluation job: the first keeps the name a run without
     repeats has (timing.json), then timing-r2.json, ..."""
     return "" if repeat == 1 else f"-r{repeat}"
+
+
+def calibration_suffix(label: str) -> str:
+    """The {calibration} of an amax file: "" for the recipe's method, "-<label>" for a variant's own."""
+    return f"-{label}" if label else ""
 
 
 def repeat_number(suffix: str) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 import statistics
 from typing import Any, Callable, Iterable
 
@@ -299,6 +300,25 @@ def calibrate(model: nn.Module, batches: list[dict[str, torch.Tensor]],
     return amax
 
 
+def calibrate_method(model: nn.Module, batches: list[dict[str, torch.Tensor]], method: dict[str, Any],
+                     progress: Callable[[int, int], None] | None = None
+                     ) -> tuple[dict[str, dict[str, float]], dict[str, list[str]]]:
+    """A variant's own method (`calibrate`) beside max calibration of the same module: its amax, and the
+    layers whose input or weight amax it moved from max's. Raises NotApplicable where it moves none: 0.47's
+    local_hessian, for one, calibrates no FP8 per-tensor weight, and a method that changes nothing is max."""
+    import copy
+
+    reference = calibrate(copy.deepcopy(model), batches)
+    amax = calibrate(model, batches, progress, method)
+    changed = {kind: sorted(n for n in amax if n in reference
+                            and not math.isclose(amax[n][kind], reference[n][kind], rel_tol=1e-6))
+               for kind in ("input_amax", "weight_amax")}
+    if not any(changed.values()):
+        raise NotApplicable(f"{method['method']} gives every layer max calibration's amax: ModelOpt 0.47 "
+                            "calibrated nothing else with it on FP8 per-tensor quantizers")
+    return amax, changed
+
+
 def _histogram_calibrate(model: nn.Module, config: dict[str, Any], forward_loop: Callable[[nn.Module], None],
                          method: str, params: dict[str, Any]) -> None:
     """Activation amax from ModelOpt's histogram calibrator (`method`: percentile, mse or entropy), weights by
@@ -318,11 +338,11 @@ def _histogram_calibrate(model: nn.Module, config: dict[str, Any], forward_loop:
     for layer, quantizer in model.named_modules():
         if not isinstance(quantizer, TensorQuantizer) or quantizer._disabled:
             continue
-        try:
-            if layer.endswith("input_quantizer"):
-                quantizer.load_calib_amax(method, **params)
-            else:
-                quantizer.load_calib_amax()  # a weight's max calibrator
+        # an input's histogram calibrator by `method`; a weight's max calibrator as it is
+        args, kwargs = ((method,), params) if layer.endswith("input_quantizer") else ((), {})
+        try:  # as finish_stats_collection: a layer this graph never calls keeps no amax (not ModelOpt's NaN)
+            if quantizer._calibrator.compute_amax(*args, **kwargs) is not None:
+                quantizer.load_calib_amax(*args, **kwargs)
         except TypeError as e:  # the histogram's bins come from an integer num_bits; FP8's is (4, 3)
             raise NotApplicable(f"ModelOpt 0.47's histogram calibrator computes {method} for integer formats only: "
                                 f"on FP8 (num_bits {quantizer.num_bits}) it raised {type(e).__name__}: {e}") from e

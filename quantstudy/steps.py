@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from quantstudy import artifacts, hub, paths
 from quantstudy.artifacts import now, provenance, read_json, sha256_path, write_json
 from quantstudy.config import Recipe, Target, on_its_card
+from quantstudy.study import calibration_label
 from quantstudy.timing import measures_speed
 
 if TYPE_CHECKING:  # for annotations only: a step imports backends (and torch) when it runs
@@ -253,10 +254,14 @@ def reference(family: str, model: str, setting: dict[str, Any], metrics: dict[st
 
 
 def calibrate(family: str, model: str, setting: dict[str, Any], architecture: dict[str, Any], recipe: dict[str, Any],
-              checkpoint_json: str, samples_json: str | list[str], out: str) -> None:
-    """Static activation amax per linear layer from ModelOpt max calibration at this setting's shape,
-    on the family's calibration batches through its first graph. Several sample files (a recipe's
-    list of sample sets) are calibrated on as one list, in order."""
+              method: dict[str, Any], checkpoint_json: str, samples_json: str | list[str], out: str) -> None:
+    """Static activation amax per linear layer by a ModelOpt calibration method (`method`: the recipe's, or
+    a variant's own) at this setting's shape, on the family's calibration batches through its first graph.
+    Several sample files (a recipe's list of sample sets) are calibrated on as one list, in order.
+
+    A variant's own method that fails (one ModelOpt does not apply to FP8) is a result: its failed record
+    says why, and the builds of the variants that name it fail with that reason. The recipe's own method
+    failing stops the run: every FP8 variant needs it."""
     import torch
 
     from quantstudy import quantization
@@ -266,27 +271,54 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
     fam, st, ckpt, rec = _family(family), _setting(setting), _snapshot(checkpoint_json), Recipe.from_params(recipe)
     device = _device()
     graph = next(iter(fam.graphs(st, architecture)))
-    paths = [samples_json] if isinstance(samples_json, (str, Path)) else list(samples_json)
-    samples = [s for p in paths for s in read_samples(p, family)]
+    sample_files = [samples_json] if isinstance(samples_json, (str, Path)) else list(samples_json)
+    inputs = {"checkpoint": checkpoint_json,
+              **{f"samples[{i}]" if len(sample_files) > 1 else "samples": p for i, p in enumerate(sample_files)}}
+    params = {"setting": setting, "recipe": recipe, "method": method}
+    samples = [s for p in sample_files for s in read_samples(p, family)]
     # The module in the calibration's dtype (default fp32; bf16 where the write-up calibrated the bf16 model).
     dtype = rec.calibration_dtype
+    calibration = {"config": rec.activation_calibration, "method": method, "samples": len(samples)}
+    ident = {"model": model, "setting": st.name, "graph": graph, "device": device, "dtype": dtype}
     with _gpu_work(device):
         module = fam.module(ckpt, graph, st).to(device, getattr(torch, dtype))
         batches = [{k: v.to(device) for k, v in b.items()} for b in fam.calibration_batches(ckpt, samples, st)]
-        log.info("calibrating %s (%s, graph %s, %s) on %d samples (%d batches)", model, st.name, graph, dtype,
-                 len(samples), len(batches))
-        amax = quantization.calibrate(module, batches, Progress("calibration batches", len(batches)))
+        log.info("calibrating %s (%s, graph %s, %s) by %s on %d samples (%d batches)", model, st.name, graph, dtype,
+                 method, len(samples), len(batches))
+        progress = Progress("calibration batches", len(batches))
+        if method == rec.method:
+            amax = quantization.calibrate(module, batches, progress, method)
+        else:
+            try:
+                amax, changed = quantization.calibrate_method(module, batches, method, progress)
+            except Exception:
+                _failed("amax", "calibrate", out, ident, inputs, params, started, traceback.format_exc(),
+                        {"calibration": {**calibration, "batches": len(batches)}})
+                return
+            calibration["changed_from_max"] = changed
     layers = quantization.select(sorted(amax), list(rec.quantize))
     report = quantization.outliers(amax, layers, rec.outlier_ratio)
     log.info("largest scale ratio to the median: %s; outliers: %s", report["largest_ratio"], report["layers"])
     write_json(out, "amax", {
-        "model": model, "setting": st.name, "shape": dict(st.shape), "graph": graph, "device": device, "dtype": dtype, "amax": amax,
-        "recipe_layers": layers, "outliers": report,
-        "calibration": {"config": rec.activation_calibration, "samples": len(samples), "batches": len(batches)},
-        "provenance": provenance("calibrate", {"checkpoint": checkpoint_json,
-                                               **{f"samples[{i}]" if len(paths) > 1 else "samples": p
-                                                  for i, p in enumerate(paths)}},
-                                 {"setting": setting, "recipe": recipe}, started)})
+        "status": "ok", **ident, "shape": dict(st.shape), "amax": amax, "recipe_layers": layers, "outliers": report,
+        "calibration": {**calibration, "batches": len(batches)},
+        "provenance": provenance("calibrate", inputs, params, started)})
+
+
+class CalibrationFailed(RuntimeError):
+    """A variant's amax file is a failed calibration: its builds fail with the calibration's reason."""
+
+
+def read_amax(path: str | None) -> dict[str, Any] | None:
+    """The amax record a variant's layers are scaled by (None: the variant has no FP8 layers); a failed
+    calibration raises CalibrationFailed with its reason, so that the variant's build records it."""
+    if path is None:
+        return None
+    doc = read_json(path, "amax")
+    if doc.get("status", "ok") == "failed":
+        raise CalibrationFailed(f"calibration {calibration_label(doc['calibration']['method'])} failed ({path}): "
+                                f"{artifacts.error_summary(doc['error'])}")
+    return doc
 
 
 # --- engines ---------------------------------------------------------------------------------
@@ -374,7 +406,7 @@ def export(ident: dict[str, Any], family: str, setting: dict[str, Any], architec
 
     def measure() -> dict[str, Any]:
         job_settings()
-        amax_doc = read_json(amax_json, "amax") if amax_json else None
+        amax_doc = read_amax(amax_json)
         fam, st, ckpt = _family(family), _setting(setting), _snapshot(checkpoint_json)
         specs, graphs, summary = fam.graphs(st, architecture), {}, {}
         for name, (model, summary) in _variant_modules(family, ckpt, st, spec, recipe, amax_doc, specs).items():
@@ -414,7 +446,7 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
 
     def measure() -> dict[str, Any]:
         job_settings()
-        amax_doc = read_json(amax_json, "amax") if amax_json else None
+        amax_doc = read_amax(amax_json)
         backend = backends.get(tgt.backend)
         st, engines, ckpt = _setting(setting), {}, _snapshot(checkpoint_json)
         served = [_setting(s) for s in serves or [setting]]
@@ -631,7 +663,7 @@ def gemm(ident: dict[str, Any], family: str, target: dict[str, Any], setting: di
 
     def measure() -> dict[str, Any]:
         job_settings()
-        amax_doc = read_json(amax_json, "amax")
+        amax_doc = read_amax(amax_json)
         fam, st, ckpt, tgt = _family(family), _setting(setting), _snapshot(checkpoint_json), Target.from_params(target)
         graphs, measuring = {}, []
         for g in fam.graphs(st, architecture):

@@ -91,6 +91,11 @@ class Recipe(Configured):
         return calibration_sample_sets(self.entry)
 
     @property
+    def method(self) -> dict[str, Any]:
+        """Its calibration method as a variant names one (`{"method": "max"}`)."""
+        return {"method": self.activation_calibration["algorithm"]}
+
+    @property
     def calibration_dtype(self) -> str:
         """The dtype the module is calibrated in (default float32; bf16 where the write-up calibrated the bf16 model)."""
         return self.activation_calibration.get("dtype", "float32")
@@ -165,6 +170,13 @@ class Variant:
     transforms: tuple[tuple[str, dict[str, Any]], ...] = ()
     # False: a quality-only variant (built and evaluated; no time, profile or gemm job measures it).
     timed: bool = True
+    # Its own calibration method (`calibration: {method: mse}`); None: the recipe's.
+    calibration: dict[str, Any] | None = None
+
+    @property
+    def calibration_label(self) -> str:
+        """What names its amax file (paths.calibration_suffix): "" for the recipe's method."""
+        return calibration_label(self.calibration) if self.calibration else ""
 
     def transforms_at(self, setting: Setting) -> list[tuple[str, dict[str, Any]]]:
         """The transforms that apply at this setting: `when: {window: [512]}` limits a transform
@@ -325,6 +337,19 @@ class Study:
     def calibration_settings(self, model: str) -> list[str]:
         return sorted({self.calibration_setting(model, s) for s in self.models[model].settings})
 
+    def calibration_method(self, label: str) -> dict[str, Any]:
+        """The method an amax file is calibrated by: the recipe's for "", else the variant's that `label` names."""
+        if not label:
+            return self.recipe.method
+        return next(v.calibration for v in self.variants.values() if v.calibration_label == label)
+
+    def calibration_labels(self, run_targets) -> list[str]:
+        """The amax files each calibration setting has on the run's targets: "" (the recipe's), then one per
+        method a measured variant names."""
+        measured = dict.fromkeys(v for *_, v in self.engines(run_targets))
+        return ["", *dict.fromkeys(self.variants[v].calibration_label for v in measured
+                                   if self.variants[v].calibration_label)]
+
 
 @dataclass(frozen=True)
 class Run:
@@ -356,6 +381,12 @@ def tiny_dataset_spec(dataset: Dataset) -> dict[str, Any]:
     """What a tiny dataset's content depends on; a detection dataset is generated in its declared box format."""
     tiny = dataset.tiny if dataset.box_format is None else {**dataset.tiny, "box_format": dataset.box_format}
     return {"files": dataset.files, "tiny": tiny}
+
+
+def calibration_label(method: dict[str, Any]) -> str:
+    """A calibration method's name in paths: the method, then its parameters' values in key order
+    (`{method: percentile, percentile: 99.9}` -> "percentile-99.9")."""
+    return "-".join([method["method"], *(str(method[k]) for k in sorted(method) if k != "method")])
 
 
 def calibration_sample_sets(recipe: dict[str, Any]) -> list[str]:

@@ -21,6 +21,8 @@ wildcard_constraints:
     samples=r"[a-z0-9_]+",
     # A timing job's repeat: "" for the first (timing.json), "-r2", "-r3" ... for the others.
     repeat=r"(?:-r(?:[2-9]|[1-9][0-9]+))?",
+    # An amax file's method: "" for the recipe's (amax.json), "-<label>" for a variant's own (amax-mse.json).
+    calibration=r"(?:-[a-z0-9_.-]+)?",
 
 
 # Jobs that measure speed hold the machine's one `speed_measurement` slot, so that two never run at
@@ -103,16 +105,25 @@ def first_model_checkpoint(w):
     return paths.CHECKPOINT.format(study=w.study, model=next(iter(study(w).models)))
 
 
-def amax_json(study_name, model, setting):
-    return paths.AMAX.format(study=study_name, model=model, setting=setting)
+def amax_json(study_name, model, setting, calibration=""):
+    """An amax file: the recipe's method (calibration ""), or the method a variant's calibration label names."""
+    return paths.AMAX.format(study=study_name, model=model, setting=setting,
+                             calibration=paths.calibration_suffix(calibration))
 
 
 def amax_input(w):
-    """The variant's amax file (its setting's calibration setting), only if it has FP8 layers."""
+    """The variant's amax file (its setting's calibration setting, by its calibration method), only if it
+    has FP8 layers."""
     s = study(w)
-    if s.variants[w.variant].has_fp8(s.setting(w.setting)):
-        return {"amax": amax_json(w.study, w.model, s.calibration_setting(w.model, w.setting))}
+    variant = s.variants[w.variant]
+    if variant.has_fp8(s.setting(w.setting)):
+        return {"amax": amax_json(w.study, w.model, s.calibration_setting(w.model, w.setting), variant.calibration_label)}
     return {}
+
+
+def calibration_method(w):
+    """The method the amax file is calibrated by: the recipe's, or the variant's its {calibration} names."""
+    return study(w).calibration_method(w.calibration.removeprefix("-"))
 
 
 def target_traits(w):

@@ -33,9 +33,9 @@ rule calibrate:
     output:
         amax=paths.AMAX,
     log:
-        "logs/{study}/{model}/calib/{setting}/calibrate.log",
+        "logs/{study}/{model}/calib/{setting}/calibrate{calibration}.log",
     benchmark:
-        "benchmarks/{study}/{model}/calib/{setting}/calibrate.tsv"
+        "benchmarks/{study}/{model}/calib/{setting}/calibrate{calibration}.tsv"
     conda:
         WORKFLOW_ENV
     params:
@@ -44,5 +44,6 @@ rule calibrate:
         setting=setting_params,
         architecture=architecture,
         recipe=recipe_params,
+        method=calibration_method,
     script:
         "../scripts/calibrate.py"

@@ -439,3 +439,40 @@ def test_metrics_and_seeds_are_checked_against_the_familys_declaration(edit, mes
     edit(doc)
     with pytest.raises(qc.ConfigError, match=re.escape(message)):
         load(doc, tmp_path)
+
+
+@pytest.mark.parametrize("calibration, message", [
+    ({"method": "max"}, r"variant 'fp8-own': calibration \{'method': 'max'\} is the recipe's own method; leave it out"),
+    ({"method": "percentile", "percentile": 99}, r"variant 'fp8-own' names a calibration method but quantizes nothing"),
+])
+def test_a_variants_calibration_method_must_change_something(calibration, message, tmp_path):
+    doc = study_doc()
+    transforms = [] if calibration["method"] == "percentile" else [{"fp8": {}}]
+    doc["variants"]["fp8-own"] = {"precision": "float16", "transforms": transforms, "calibration": calibration}
+    with pytest.raises(qc.ConfigError, match=message):
+        load(doc, tmp_path)
+
+
+def test_a_variants_calibration_method_is_one_modelopt_has(tmp_path):
+    """The schema's list of methods is the code's (quantization.CALIBRATION_METHODS)."""
+    from quantstudy import quantization
+
+    schema = yaml.safe_load((ROOT / "config/schemas/study.schema.yaml").read_text())
+    listed = schema["properties"]["variants"]["additionalProperties"]["properties"]["calibration"]["properties"]["method"]
+    assert tuple(listed["enum"]) == quantization.CALIBRATION_METHODS
+    doc = study_doc()
+    doc["variants"]["fp8-own"] = {"precision": "float16", "transforms": [{"fp8": {}}], "calibration": {"method": "minmax"}}
+    with pytest.raises(qc.ConfigError, match="minmax"):
+        load(doc, tmp_path)
+
+
+def test_a_calibration_method_names_its_amax_file():
+    from quantstudy import paths
+    from quantstudy.study import calibration_label
+
+    assert calibration_label({"method": "percentile", "percentile": 99.9}) == "percentile-99.9"
+    assert calibration_label({"alpha": 0.5, "method": "smoothquant"}) == "smoothquant-0.5"
+    assert paths.AMAX.format(study="s", model="m", setting="w", calibration=paths.calibration_suffix("mse")) \
+        == "results/s/m/calib/w/amax-mse.json"
+    assert paths.AMAX.format(study="s", model="m", setting="w", calibration=paths.calibration_suffix("")) \
+        == "results/s/m/calib/w/amax.json"

@@ -181,6 +181,40 @@ def test_percentile_calibration_is_the_inputs_percentile_within_a_histogram_bin(
     assert amax["0"]["weight_amax"] == pytest.approx(float(model[0].weight.detach().abs().max()))
 
 
+def _e4m3_fake_quant(x: torch.Tensor, amax: float) -> torch.Tensor:
+    """x to FP8 E4M3 at scale amax / 448 and back, in float32 (saturating)."""
+    scale = amax / 448.0
+    return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+
+def test_mse_calibration_picks_the_weight_amax_of_least_squared_error_and_keeps_inputs_at_max():
+    """ModelOpt's mse: from max, each weight's amax is max|w| times the one of 39 evenly spaced multipliers from
+    0.25 to 4 whose FP8 round trip has the least squared error; activations stay at max calibration's."""
+    model, batches = _outlier_stack()
+    w = model[0].weight.detach().float()
+    candidates = torch.linspace(0.25, 4.0, 39) * w.abs().max()
+    errors = torch.stack([((_e4m3_fake_quant(w, float(a)) - w) ** 2).sum() for a in candidates])
+    best = float(candidates[errors.argmin()])
+    assert best != pytest.approx(float(w.abs().max()))  # the hand-computed case moves the weight amax
+    by_max = q.calibrate(copy.deepcopy(model), batches)
+    amax = q.calibrate(model, batches, method={"method": "mse"})
+    assert amax["0"]["weight_amax"] == pytest.approx(best, rel=1e-5)
+    assert amax["0"]["input_amax"] == by_max["0"]["input_amax"]
+
+
+def test_a_variants_method_reports_the_layers_it_moved_from_max():
+    model, batches = _outlier_stack()
+    amax, changed = q.calibrate_method(model, batches, {"method": "percentile", "percentile": 99.0})
+    assert changed == {"input_amax": ["0", "2"], "weight_amax": []}
+
+
+def test_a_method_that_moves_no_amax_is_not_applicable():
+    """0.47's local_hessian calibrates no FP8 per-tensor weight: every amax stays max's, so it is no method here."""
+    model, batches = _outlier_stack()
+    with pytest.raises(q.NotApplicable, match="local_hessian gives every layer max calibration's amax"):
+        q.calibrate_method(model, batches, {"method": "local_hessian"})
+
+
 @pytest.mark.parametrize("method", [{"method": "entropy"}, {"method": "histogram_mse"},
                                     {"method": "smoothquant", "alpha": 0.5}])
 def test_a_method_modelopt_does_not_apply_to_fp8_says_so(method):

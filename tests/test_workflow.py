@@ -974,3 +974,31 @@ def test_a_cpu_run_says_nothing_of_tensorrt_outside_the_write_ups_quotes(workflo
         text = readme.read_text()
         outside = re.sub(rf"<details><summary>{quoting}.*?</details>", "", text, flags=re.S)
         assert "TensorRT" not in outside and "optimization level" not in outside, readme
+
+
+def test_a_variants_own_calibration_method_has_its_amax_file_or_its_recorded_failure(workflow_copy):
+    """.test/fnet.yaml: fp8-percentile-99 is calibrated by ModelOpt's percentile into amax-percentile-99.json,
+    beside the recipe's amax.json, and built from it; fp8-entropy's method does not apply to FP8: its amax
+    file is a failed record with the reason, its build fails with it, and the README says so."""
+    calib = workflow_copy / "results/fnet/fnet-base/calib/w512"
+    by_max = json.loads((calib / "amax.json").read_text())
+    percentile = json.loads((calib / "amax-percentile-99.json").read_text())
+    assert percentile["status"] == "ok" and percentile["calibration"]["method"] == {"method": "percentile", "percentile": 99}
+    layers = percentile["recipe_layers"]
+    assert set(percentile["calibration"]["changed_from_max"]["input_amax"]) >= set(layers)
+    assert all(percentile["amax"][n]["input_amax"] < by_max["amax"][n]["input_amax"] for n in layers)
+    variant = workflow_copy / "results/fnet/cpu-torch/fnet-base/w512/fp8-percentile-99"
+    build = json.loads((variant / "build.json").read_text())
+    assert build["status"] == "ok" and build["provenance"]["inputs"]["amax"]["path"].endswith("amax-percentile-99.json")
+    assert json.loads((variant / "quality.json").read_text())["status"] == "ok"
+    assert not (variant / "timing.json").exists()  # quality only
+
+    entropy = json.loads((calib / "amax-entropy.json").read_text())
+    assert entropy["status"] == "failed" and "NotApplicable" in entropy["error"]
+    build = json.loads((workflow_copy / "results/fnet/cpu-torch/fnet-base/w512/fp8-entropy/build.json").read_text())
+    assert build["status"] == "failed" and "calibration entropy failed" in build["error"]
+    readme = (workflow_copy / "results/fnet/README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("| Variants' own calibration methods |"))
+    assert re.search(r"`percentile-99` \(fnet-base `w512`\): for `fp8-percentile-99`; it moved the input amax of "
+                     r"(\d+) and the weight amax of 0 of the \1 recipe layers", line)
+    assert "`entropy` (fnet-base `w512`): **failed**: NotApplicable: ModelOpt 0.47's histogram calibrator" in line

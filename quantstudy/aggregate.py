@@ -20,7 +20,7 @@ import pandas as pd
 from quantstudy import artifacts, bound, compare, paths, timing
 from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, sha256_file, write_json
 from quantstudy.config import PUBLISHED_KEYS, UNIT_SCALE, calibration_sample_sets, load_published, shape_of
-from quantstudy.study import calibration_label
+from quantstudy.study import REVISIT_SELECTORS, calibration_label
 from quantstudy.families.base import measured_against
 from quantstudy.render import value_range
 
@@ -552,6 +552,54 @@ def decide(study: dict[str, Any], tables: dict[str, pd.DataFrame], baselines: di
             "within_noise": [c["name"] for c in conditions if c.get("resolved") == "within the noise"]}
 
 
+
+def revisit_variants(study: dict[str, Any], names: list[str]) -> list[str]:
+    """The variants a revisit check looks at: each name, a selector (REVISIT_SELECTORS) as its variants."""
+    chosen = []
+    for name in names:
+        selector = REVISIT_SELECTORS.get(name)
+        chosen += [v for v, spec in study["variants"].items() if selector(spec)] if selector else [name]
+    return list(dict.fromkeys(chosen))
+
+
+def revisit(study: dict[str, Any], tables: dict[str, pd.DataFrame], baselines: dict[str, str],
+            noise: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Each "revisit when" of the write-up (`revisit` in the study config), checked: the decision
+    condition it names, applied to each variant it names as if that were the candidate (decide, with
+    the check's own `rows` where it gives them). Met where a variant meets it beyond the noise, within
+    the noise where one straddles the bar, not met where every variant misses it, and not measurable
+    where none of the variants ran, or where the check needs what no run here has (`not_measurable`)."""
+    checks = []
+    for entry in study.get("revisit") or []:
+        check = {"when": entry["when"], "variants": []}
+        if "not_measurable" in entry:
+            checks.append({**check, "verdict": "not measurable in this run", "reason": entry["not_measurable"]})
+            continue
+        spec = next(c for c in study["decision"]["conditions"] if c["name"] == entry["condition"])
+        spec = {**spec, "rows": entry["rows"]} if "rows" in entry else spec
+        frame = tables[spec["table"]]
+        for v in revisit_variants(study, entry["variants"]):
+            if len(frame) and (frame.variant == v).any():
+                d = decide({**study, "candidate": v, "decision": {"conditions": [spec]}}, tables, baselines, noise)
+                if d["conditions"][0]["note"] == "no rows" and len(d["conditions"]) == 1:
+                    continue  # it ran, but not on these rows (a setting this run leaves out)
+                check["variants"].append({"variant": v, "met": d["ship"], "condition": d["conditions"][0],
+                                          "failed": d["conditions"][1]["note"] if len(d["conditions"]) > 1 else None})
+        resolved = [v["condition"].get("resolved") for v in check["variants"]]
+        if not check["variants"]:
+            verdict, reason = "not measurable in this run", (
+                f"none of {', '.join(entry['variants'])} ran in this run" + (f" on rows {spec['rows']}" if spec.get("rows") else ""))
+        elif any(v["met"] and r == "met" for v, r in zip(check["variants"], resolved)):
+            verdict, reason = "met", None
+        elif "within the noise" in resolved:
+            verdict, reason = "within the noise of this run", None
+        else:
+            verdict, reason = "not met", None
+        checks.append({**check, "condition": spec["name"], "rows": dict(spec.get("rows") or {}), "verdict": verdict,
+                       "reason": reason})
+    return checks
+
+
 def _cell(row: dict[str, Any], column: str) -> Any:
     """A row's value of `column`, or of `a.b` where the row has a dict column `a` (groups_ms.<group>)."""
     if column in row:
@@ -747,7 +795,8 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
         "speed": _records(speed), "quality": _records(quality), "builds": _records(builds),
         "kernels": _records(kernels), "records": _records(records), "references": references, "calibration": calibration,
         "timing_noise": noise, "devices": ran_on,
-        "decision": decide(study, {"speed": speed, "quality": quality}, baselines, noise), "damaged": damaged,
+        "decision": decide(study, {"speed": speed, "quality": quality}, baselines, noise),
+        "revisit": revisit(study, {"speed": speed, "quality": quality}, baselines, noise), "damaged": damaged,
         "published": published_rows,
         "published_from": None if published is None else {k: published[k] for k in ("file", "seed", "weights", "runs",
                                                                                       "tolerances", "differs", "left_out")}}

@@ -17,7 +17,8 @@ from typing import Any
 import jsonschema
 
 from quantstudy.families.base import QualityColumns, Setting
-from quantstudy.study import Dataset, Model, Variant, calibration_sample_sets, calibration_setting_of
+from quantstudy.study import (REVISIT_SELECTORS, Dataset, Model, Variant, calibration_sample_sets,
+                              calibration_setting_of)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,6 +122,14 @@ def study_problems(doc: dict[str, Any], models: dict[str, Model], settings: dict
         if not any(t in ("fp8", "microscaling") for t, _ in v.transforms):
             problems.append(f"variant {name!r} names a calibration method but quantizes nothing (no fp8 or "
                             "microscaling transform)")
+
+    conditions = {c["name"] for c in doc["decision"]["conditions"]}
+    for i, r in enumerate(doc.get("revisit") or []):
+        if "condition" in r and r["condition"] not in conditions:
+            problems.append(f"revisit[{i}] names {r['condition']!r}, no condition of the decision; conditions: "
+                            f"{', '.join(sorted(conditions))}")
+        problems += [f"revisit[{i}] names unknown variant {v!r}; variants: {', '.join(variants)}, or calibration_methods, "
+                     "microscaled" for v in r.get("variants", []) if v not in variants and v not in REVISIT_SELECTORS]
 
     # Speed is measured against the baseline and decided on the candidate: neither can be quality-only.
     for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),

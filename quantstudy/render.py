@@ -138,44 +138,53 @@ def verdict(t: dict[str, Any]) -> list[dict[str, Any]]:
     """One line per decision condition, from tables.json's decision: what the candidate measured,
     on how many rows and samples, what the baseline measured on the same rule, and the threshold with
     where it comes from."""
+    return [verdict_line(t, c) for c in t["decision"]["conditions"]]
+
+
+def verdict_line(t: dict[str, Any], c: dict[str, Any]) -> dict[str, Any]:
+    """One condition's result (aggregate.condition, as the decision or a revisit check records it) as words."""
     spec, samples = t["spec"], _samples_view(t)
-    declared = {c["name"]: c for c in spec["decision"]["conditions"]}
-    lines = []
-    for c in t["decision"]["conditions"]:
-        c = {**declared.get(c["name"], {}), **c}  # a tables.json before decide() copied table and units
-        units = condition_units(c)
-        lists = [samples[name] for name in c.get("samples") or [] if name in samples]
-        fmt, unit = ((functools.partial(pct_of, n=lists[0]["count"]), "")
-                     if units == "percent_of_samples" and len(lists) == 1 else UNITS.get(units, UNITS["percent"]))
+    declared = {d["name"]: d for d in spec["decision"]["conditions"]}
+    c = {**declared.get(c["name"], {}), **c}  # a tables.json before decide() copied table and units
+    units = condition_units(c)
+    lists = [samples[name] for name in c.get("samples") or [] if name in samples]
+    fmt, unit = ((functools.partial(pct_of, n=lists[0]["count"]), "")
+                 if units == "percent_of_samples" and len(lists) == 1 else UNITS.get(units, UNITS["percent"]))
 
-        def shown(observed) -> str:
-            return (span(observed, fmt, unit) if isinstance(observed, dict)
-                    else "not measured" if observed is None else fmt(observed) + unit)
+    def shown(observed) -> str:
+        return (span(observed, fmt, unit) if isinstance(observed, dict)
+                else "not measured" if observed is None else fmt(observed) + unit)
 
-        # The threshold as configured, never rounded to a sample's precision (99.5% of 24 pairs is not 100%).
-        threshold = ("" if c.get("threshold") is None
-                     else (pct if units == "percent_of_samples" else fmt)(c["threshold"]) + unit)
-        if c.get("relative_to"):
-            threshold += f" the `{c['relative_to']}` engine's"
-        base = c.get("baseline")
-        interval = c.get("interval")
-        lines.append({
-            "name": c["name"], "met": c["pass"], "observed": shown(c["observed"]), "rows": c.get("n"),
-            # tables.json from before the noise model: each condition resolved as met or not
-            "resolved": c.get("resolved") or ("met" if c["pass"] else "not met"),
-            "interval": interval and (span(interval, fmt, unit) + f" ({c['interval_kind']}, "
-                                      f"{VERDICT_LEVEL:.0%} interval)"),
-            "to_resolve": c.get("to_resolve"),
-            "samples": ", ".join(f"{count(s['count'])} {s['kind'].replace('_', ' ')} ({s['name']})" for s in lists),
-            "timing": c.get("table") == "speed" and spec["timing"],
-            "baseline": base and {"variants": base["variants"], "met": base["pass"], "observed": shown(base["observed"])},
-            "threshold": f"{COMPARE_WORDS.get(c.get('compare'), c.get('compare') or '')} {threshold}".strip(),
-            "basis": c.get("basis"), "note": c.get("note"),
-            # Measured otherwise than the write-up did (config/published `differs`): said beside the basis.
-            "differs": [d["how"] for d in (t.get("published_from") or {}).get("differs", [])
-                        if c.get("column") in d["columns"]],
-            "setting": (c.get("rows") or {}).get("setting")})
-    return lines
+    # The threshold as configured, never rounded to a sample's precision (99.5% of 24 pairs is not 100%).
+    threshold = ("" if c.get("threshold") is None
+                 else (pct if units == "percent_of_samples" else fmt)(c["threshold"]) + unit)
+    if c.get("relative_to"):
+        threshold += f" the `{c['relative_to']}` engine's"
+    base = c.get("baseline")
+    interval = c.get("interval")
+    return {
+        "name": c["name"], "met": c["pass"], "observed": shown(c["observed"]), "rows": c.get("n"),
+        # tables.json from before the noise model: each condition resolved as met or not
+        "resolved": c.get("resolved") or ("met" if c["pass"] else "not met"),
+        "interval": interval and (span(interval, fmt, unit) + f" ({c['interval_kind']}, "
+                                  f"{VERDICT_LEVEL:.0%} interval)"),
+        "to_resolve": c.get("to_resolve"),
+        "samples": ", ".join(f"{count(s['count'])} {s['kind'].replace('_', ' ')} ({s['name']})" for s in lists),
+        "timing": c.get("table") == "speed" and spec["timing"],
+        "baseline": base and {"variants": base["variants"], "met": base["pass"], "observed": shown(base["observed"])},
+        "threshold": f"{COMPARE_WORDS.get(c.get('compare'), c.get('compare') or '')} {threshold}".strip(),
+        "basis": c.get("basis"), "note": c.get("note"),
+        # Measured otherwise than the write-up did (config/published `differs`): said beside the basis.
+        "differs": [d["how"] for d in (t.get("published_from") or {}).get("differs", [])
+                    if c.get("column") in d["columns"]],
+        "setting": (c.get("rows") or {}).get("setting")}
+
+
+def revisit(t: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each write-up's "revisit when", checked (tables.json's revisit): its verdict, and each variant's
+    result on the decision condition it is checked by, in words."""
+    return [{**r, "variants": [{**v, "line": verdict_line(t, v["condition"])} for v in r["variants"]]}
+            for r in t.get("revisit") or []]
 
 
 def cell_text(text) -> str:
@@ -288,7 +297,7 @@ def view(t: dict[str, Any], docs: str = "../../docs/reading-a-study.md", repo: s
         "variant_summary": variant_summary, "speed_of": speed_of, "build_of": builds, "references": references,
         "several_graphs": len(graphs) > 1, "reference_dtype": reference_dtype(t), "ran_on": ran_on(t, read),
         "published": _published_view(t),
-        "plot": PLOT, "main_quality": main_quality_condition(spec["decision"]), "verdict": verdict(t),
+        "plot": PLOT, "main_quality": main_quality_condition(spec["decision"]), "verdict": verdict(t), "revisit": revisit(t),
         "docs": docs, "repo_link": lambda path: f"{repo}/{path}",
         # Columns and table parts shown only where some row has something to show.
         "show_fp32": any("fp32" in r["variants"] for r in speed_rows),

@@ -383,6 +383,14 @@ def tiny_dataset_spec(dataset: Dataset) -> dict[str, Any]:
     return {"files": dataset.files, "tiny": tiny}
 
 
+# What a revisit check's `variants` may name beside variants (as configured: dicts): every variant of a kind,
+# whichever of them this run has.
+REVISIT_SELECTORS = {
+    "calibration_methods": lambda v: bool(v.get("calibration")),  # a variant's own calibration method
+    "microscaled": lambda v: any("microscaling" in t for t in v.get("transforms") or []),  # NVFP4, MXFP8
+}
+
+
 def calibration_label(method: dict[str, Any]) -> str:
     """A calibration method's name in paths: the method, then its parameters' values in key order
     (`{method: percentile, percentile: 99.9}` -> "percentile-99.9")."""

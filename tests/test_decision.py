@@ -282,3 +282,38 @@ def test_a_relative_condition_combines_both_engines_intervals_in_log_space():
     assert c["interval"]["min"] == pytest.approx(8.9038, abs=1e-4) and c["interval"]["max"] == pytest.approx(11.1431, abs=1e-4)
     clear = decide(study({**KL_VS_FP16, "threshold": 12}), {"speed": speed(), "quality": q})["conditions"][0]
     assert clear["resolved"] == "met"
+
+
+def revisit_study(*entries) -> dict:
+    """fp8 with the max calibration; two variants with their own method, and one NVFP4 variant."""
+    return {**study(TOP1), "revisit": list(entries), "variants": {
+        "fp16": {"precision": "float16"}, "fp8": {"precision": "float16", "transforms": [{"fp8": {}}]},
+        "fp8-mse": {"precision": "float16", "transforms": [{"fp8": {}}], "calibration": {"method": "mse"}},
+        "fp8-entropy": {"precision": "float16", "transforms": [{"fp8": {}}], "calibration": {"method": "entropy"}},
+        "nvfp4": {"precision": "float16", "transforms": [{"microscaling": {"format": "nvfp4"}}]}}}
+
+
+CALIBRATED = {"when": "a calibration method keeps top-1 near fp16", "condition": "top-1", "variants": ["calibration_methods"]}
+
+
+@pytest.mark.parametrize("mse_top1, verdict", [(0.995, "met"), (0.98, "not met")])
+def test_a_revisit_check_applies_its_condition_to_each_variant_it_names(mse_top1, verdict):
+    """The candidate (fp8) misses the bar; the check passes only where a calibration variant meets it. fp8-entropy
+    failed to build: its failure is shown, and it meets nothing."""
+    q = quality(("fp8", 0.95, 0, "ok"), ("fp16", 0.999, 0, "ok"), ("fp8-mse", mse_top1, 0, "ok"),
+                ("fp8-entropy", None, None, "failed"))
+    [check] = aggregate.revisit(revisit_study(CALIBRATED), {"speed": speed(), "quality": q}, BASELINES)
+    assert check["verdict"] == verdict
+    by_variant = {v["variant"]: v for v in check["variants"]}
+    assert list(by_variant) == ["fp8-mse", "fp8-entropy"]  # the selector's variants; not fp8, not nvfp4
+    assert by_variant["fp8-mse"]["condition"]["observed"] == {"min": mse_top1, "max": mse_top1, "n": 1}
+    assert not by_variant["fp8-entropy"]["met"] and "fp8-entropy-3/quality.json" in by_variant["fp8-entropy"]["failed"]
+
+
+def test_a_revisit_check_is_not_measurable_where_none_of_its_variants_ran():
+    q = quality(("fp8", 0.999, 0, "ok"), ("fp16", 0.999, 0, "ok"))
+    gone = {"when": "FP8 convolutions", "not_measurable": "no backend here quantizes a convolution"}
+    checks = aggregate.revisit(revisit_study(CALIBRATED, gone), {"speed": speed(), "quality": q}, BASELINES)
+    assert [(c["verdict"], c["reason"]) for c in checks] == [
+        ("not measurable in this run", "none of calibration_methods ran in this run"),
+        ("not measurable in this run", "no backend here quantizes a convolution")]

@@ -239,6 +239,11 @@ def code_check_key(doc: dict[str, Any], models: dict[str, Model]) -> str:
     return h.hexdigest()
 
 
+# What the fp8 transform reads (quantization.apply_variant and fp8_layers); `when` is every transform's.
+FP8_PARAMETERS = ("include", "exclude", "add", "keep_edge_blocks", "exclude_calls", "weight_scales", "activation_scales",
+                  "when")
+
+
 def problems_against_code(doc: dict[str, Any], models: dict[str, Model], variants: dict[str, Variant],
                            settings: dict[str, Setting], match_layers: bool) -> list[str]:
     """The names a study gives the code: its family, its settings' shapes, its transforms, the
@@ -251,6 +256,16 @@ def problems_against_code(doc: dict[str, Any], models: dict[str, Model], variant
     known = quantization.transform_names(family.transforms())
     problems = [f"variant {v.name!r} names unknown transform {t!r}; known transforms: {', '.join(sorted(known))}"
                 for v in variants.values() for t, _ in v.transforms if t not in known]
+    for v in variants.values():
+        for t, params in v.transforms:
+            if t != "fp8":
+                continue
+            problems += [f"variant {v.name!r}: fp8 has no parameter {k!r}; its parameters: {', '.join(FP8_PARAMETERS)}"
+                         for k in params if k not in FP8_PARAMETERS]
+            for key, allowed in (("weight_scales", quantization.WEIGHT_SCALES),
+                                 ("activation_scales", quantization.ACTIVATION_SCALES)):
+                if key in params and params[key] not in allowed:
+                    problems.append(f"variant {v.name!r}: fp8 {key} {params[key]!r} is not one of {', '.join(allowed)}")
     problems += [p for s in settings.values() for p in family.check_setting(s)]
     problems += _metrics_and_seeds_problems(doc, family)
     declared = family.quality_columns(list(doc["evaluation_samples"]), list(doc["quality_against"]))

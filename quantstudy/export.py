@@ -64,6 +64,17 @@ def _(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q, dtype=scale.dtype)
 
 
+@torch.library.custom_op("quantstudy::dequantize_fp8_channels", mutates_args=())
+def _dequantize_channels_op(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """DequantizeLinear per channel of the last axis ([in, out] weight, [out] scales)."""
+    return quantization.dequantize_fp8(q, scale.float(), scale.dtype)
+
+
+@_dequantize_channels_op.register_fake
+def _(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q, dtype=scale.dtype)
+
+
 def _translations(opset: int) -> dict:
     import onnx_ir as ir
     import onnxscript
@@ -78,8 +89,13 @@ def _translations(opset: int) -> dict:
     def dequantize(q, scale):
         return op.DequantizeLinear(q, scale, op.Constant(value=zero))
 
+    # Per axis: no zero point (optional for DequantizeLinear; FP8 in, the scale's type out).
+    def dequantize_channels(q, scale):
+        return op.DequantizeLinear(q, scale, axis=1)
+
     return {torch.ops.quantstudy.quantize_fp8.default: quantize,
-            torch.ops.quantstudy.dequantize_fp8.default: dequantize}
+            torch.ops.quantstudy.dequantize_fp8.default: dequantize,
+            torch.ops.quantstudy.dequantize_fp8_channels.default: dequantize_channels}
 
 
 class QDQLinear(nn.Module):
@@ -93,9 +109,15 @@ class QDQLinear(nn.Module):
 
     def __init__(self, fp8: quantization.FP8Linear):
         super().__init__()
+        if fp8.activation_scales != "static":  # a recorded export failure, with the reason
+            raise NotImplementedError(f"{fp8.activation_scales} activation scales are computed at run time, and "
+                                      "explicit Q/DQ as TensorRT builds it takes a constant activation scale")
         dq = fp8.dequantize_dtype
         self.register_buffer("weight", fp8.weight.t().contiguous())
-        self.register_buffer("weight_scale", fp8.weight_scale.to(dq))  # exact: already rounded to dq
+        # per_channel: one scale per output channel, the transposed weight's axis 1 (DequantizeLinear axis=1)
+        self.per_channel = fp8.weight_scales == "per_channel"
+        self.register_buffer("weight_scale", fp8.weight_scale.reshape(-1).to(dq) if self.per_channel
+                             else fp8.weight_scale.to(dq))  # exact: already rounded to dq
         self.register_buffer("input_scale", fp8.input_scale.to(dq))
         self.register_buffer("bias", None if fp8.bias is None else fp8.bias.detach().to(dq))
         self.call_sites, self.unquantized_calls = fp8.call_sites, fp8.unquantized_calls
@@ -109,7 +131,8 @@ class QDQLinear(nn.Module):
         qtype = torch.promote_types(x.dtype, self.input_scale.dtype)
         xq = torch.ops.quantstudy.quantize_fp8(x.to(qtype), self.input_scale.to(qtype))
         xd = torch.ops.quantstudy.dequantize_fp8(xq, self.input_scale)
-        w = torch.ops.quantstudy.dequantize_fp8(self.weight, self.weight_scale)
+        w = (torch.ops.quantstudy.dequantize_fp8_channels if self.per_channel
+             else torch.ops.quantstudy.dequantize_fp8)(self.weight, self.weight_scale)
         y = torch.matmul(xd, w)
         if self.bias is not None:
             y = y + self.bias

@@ -66,7 +66,8 @@ def recipe_calls(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[dict
         calls.append({"layer": name, "input_shape": list(x.shape),
                       "dims": [math.prod(x.shape[:-1]), module.in_features, module.out_features],
                       "bias": module.bias is not None,
-                      "dequantize_dtype": str(module.dequantize_dtype).removeprefix("torch.")})
+                      "dequantize_dtype": str(module.dequantize_dtype).removeprefix("torch."),
+                      **({"scales": [module.weight_scales, module.activation_scales]} if module.row_wise else {})})
 
     hooks = [m.register_forward_pre_hook(lambda m, args, name=name: hook(m, args, name))
              for name, m in model.named_modules() if isinstance(m, quantization.FP8Linear)]
@@ -82,8 +83,9 @@ def recipe_calls(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[dict
 def shape_key(call: dict[str, Any]) -> str:
     """The name of a call's GEMM shape in gemm.json, e.g. `1x128x64 @ 64x256 +bias -> float16`."""
     m, k, n = call["dims"]
+    scales = f" ({' weights, '.join(call['scales'])} activations)" if call.get("scales") else ""
     return (f"{'x'.join(map(str, call['input_shape']))} @ {k}x{n}{' +bias' if call['bias'] else ''}"
-            f" -> {call['dequantize_dtype']}")
+            f" -> {call['dequantize_dtype']}{scales}")
 
 
 def _stack(shapes: list[tuple[dict[str, Any], int, str]], precision: str, seed: int) -> tuple[GemmStack, dict]:
@@ -102,7 +104,8 @@ def _stack(shapes: list[tuple[dict[str, Any], int, str]], precision: str, seed: 
             inputs[f"x{len(layers)}"] = x.to(work_dtype)
             if precision == "fp8":
                 layers.append(quantization.FP8Linear(weight, bias, float(x.abs().max()), float(weight.abs().max()),
-                                                     quantization.DTYPES[call["dequantize_dtype"]], work_dtype))
+                                                     quantization.DTYPES[call["dequantize_dtype"]], work_dtype,
+                                                     *([(), (), *call["scales"]] if call.get("scales") else [])))
             else:
                 linear = nn.Linear(k, n, bias=bias is not None)
                 with torch.no_grad():

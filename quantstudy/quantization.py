@@ -51,6 +51,20 @@ def scale_from_amax(amax: float, dtype: torch.dtype) -> torch.Tensor:
     return torch.maximum(scale, smallest).to(torch.float32)
 
 
+def channel_scales(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-output-channel weight scales, shape [out, 1]: each row's amax / 448 (scale_from_amax, row by row)."""
+    amax = weight.detach().abs().amax(dim=1, keepdim=True).double().clamp_min(1e-12)
+    scale = (amax / FP8_MAX).float().to(dtype)
+    smallest = torch.tensor(2.0 ** -24 if dtype == torch.float16 else torch.finfo(dtype).tiny, dtype=dtype)
+    return torch.maximum(scale, smallest).to(torch.float32)
+
+
+def token_scales(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token activation scales, shape [..., 1]: each row's amax / 448 at run time, in fp32
+    (ModelOpt's FP8 per-channel-per-token config; torch._scaled_mm's row-wise scale_a)."""
+    return (x.detach().abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX)
+
+
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """QuantizeLinear to float8_e4m3fn with saturation: round-to-nearest-even of x/scale, clamped to +-448."""
     return (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -101,6 +115,12 @@ class WorkPrecisionLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+# Scale granularity (the fp8 transform's weight_scales / activation_scales): the recipe's per-tensor static
+# scales, per-output-channel weight scales, dynamic per-token activation scales.
+WEIGHT_SCALES = ("per_tensor", "per_channel")
+ACTIVATION_SCALES = ("static", "per_token")
+
+
 class FP8Linear(nn.Module):
     """activation -> Quantize -> Dequantize(dq) -> MatMul -> + bias, weight FP8 -> Dequantize(dq).
 
@@ -116,12 +136,19 @@ class FP8Linear(nn.Module):
 
     def __init__(self, weight_fp32: torch.Tensor, bias: torch.Tensor | None, input_amax: float,
                  weight_amax: float, dequantize_dtype: torch.dtype, work_dtype: torch.dtype,
-                 call_sites: Iterable[str] = (), unquantized_calls: Iterable[str] = ()):
+                 call_sites: Iterable[str] = (), unquantized_calls: Iterable[str] = (),
+                 weight_scales: str = "per_tensor", activation_scales: str = "static"):
         super().__init__()
+        if weight_scales not in WEIGHT_SCALES or activation_scales not in ACTIVATION_SCALES:
+            raise ValueError(f"scales: weight_scales is one of {', '.join(WEIGHT_SCALES)}, activation_scales one of "
+                             f"{', '.join(ACTIVATION_SCALES)}; got {weight_scales!r} and {activation_scales!r}")
         self.in_features, self.out_features = weight_fp32.shape[1], weight_fp32.shape[0]
         self.dequantize_dtype = dequantize_dtype
         self.fp8_gemm = False
-        self.register_buffer("weight_scale", scale_from_amax(weight_amax, dequantize_dtype))
+        self.weight_scales, self.activation_scales = weight_scales, activation_scales
+        self.register_buffer("weight_scale", channel_scales(weight_fp32, dequantize_dtype) if weight_scales == "per_channel"
+                             else scale_from_amax(weight_amax, dequantize_dtype))
+        # per_token: no static scale, each row's at run time (token_scales)
         self.register_buffer("input_scale", scale_from_amax(input_amax, dequantize_dtype))
         self.register_buffer("weight", quantize_fp8(weight_fp32, self.weight_scale))
         self.bias = nn.Parameter(bias.detach().to(work_dtype)) if bias is not None else None
@@ -134,14 +161,33 @@ class FP8Linear(nn.Module):
         with record_function(FP8_REGION):
             return self._scaled_mm(x) if self.fp8_gemm else self._fake_quant(x)
 
+    @property
+    def row_wise(self) -> bool:
+        """Whether its scales are per row (per-channel weights or per-token activations): a row-wise GEMM."""
+        return (self.weight_scales, self.activation_scales) != ("per_tensor", "static")
+
+    def _input_scale(self, x: torch.Tensor) -> torch.Tensor:
+        return token_scales(x) if self.activation_scales == "per_token" else self.input_scale
+
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         # cuBLASLt FP8: A row-major [M, K], B column-major [K, N] (the [N, K] weight transposed,
         # no copy), K and N multiples of 16, fp32 scales; the bias must be in the output dtype
-        # and fp16 or bf16, so an fp32 output (fp32_dequantize) adds it afterwards.
+        # and fp16 or bf16, so an fp32 output (fp32_dequantize) adds it afterwards. Row-wise scales
+        # (scale_a [M, 1], scale_b [1, N]) give a bf16 output, cast to the Dequantize dtype, bias after.
         shape = x.shape
-        xq = quantize_fp8(x.reshape(-1, self.in_features), self.input_scale).contiguous()
+        x2 = x.reshape(-1, self.in_features)
+        scale_a = self._input_scale(x2)
+        xq = quantize_fp8(x2, scale_a).contiguous()
+        if self.row_wise:
+            scale_a = scale_a.expand(x2.shape[0], 1).contiguous()
+            scale_b = self.weight_scale.reshape(1, -1).expand(1, self.out_features).contiguous()
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+            out = out.to(self.dequantize_dtype)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
         fused_bias = self.bias is not None and self.dequantize_dtype in (torch.float16, torch.bfloat16)
-        out = torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
+        out = torch._scaled_mm(xq, self.weight.t(), scale_a=scale_a, scale_b=self.weight_scale,
                                bias=self.bias.to(self.dequantize_dtype) if fused_bias else None,
                                out_dtype=self.dequantize_dtype)
         if self.bias is not None and not fused_bias:
@@ -149,14 +195,16 @@ class FP8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def _fake_quant(self, x: torch.Tensor) -> torch.Tensor:
-        xq = dequantize_fp8(quantize_fp8(x, self.input_scale), self.input_scale, self.dequantize_dtype)
+        scale = self._input_scale(x)
+        xq = dequantize_fp8(quantize_fp8(x, scale), scale, self.dequantize_dtype)
         w = dequantize_fp8(self.weight, self.weight_scale, self.dequantize_dtype)
         b = None if self.bias is None else self.bias.to(self.dequantize_dtype)
         return F.linear(xq, w, b).to(x.dtype)
 
     def extra_repr(self) -> str:
         gemm = "torch._scaled_mm" if self.fp8_gemm else "fake-quant"
-        return f"in={self.in_features}, out={self.out_features}, dequantize={self.dequantize_dtype}, gemm={gemm}"
+        return (f"in={self.in_features}, out={self.out_features}, dequantize={self.dequantize_dtype}, gemm={gemm}, "
+                f"scales={self.weight_scales} weights, {self.activation_scales} activations")
 
 
 # Block-scaled formats a variant's `microscaling` transform fakes (ModelOpt's QTensor formats): their block
@@ -440,13 +488,17 @@ def apply_variant(model: nn.Module, spec: dict[str, Any], recipe: dict[str, Any]
         summary.update(_microscale(model, names["microscaling"], recipe, amax_doc, work, "fp8" in names))
     model = model.to(work)
     dequant = torch.float32 if "fp32_dequantize" in names else DTYPES[recipe["dequantize_dtype"]]
+    fp8_params = names.get("fp8") or {}
+    granularity = (fp8_params.get("weight_scales", "per_tensor"), fp8_params.get("activation_scales", "static"))
+    if granularity != ("per_tensor", "static"):
+        summary["fp8_scales"] = {"weights": granularity[0], "activations": granularity[1]}
     widen = float(names.get("widen_scales", {}).get("factor", 1.0))
     for name, (weight, bias) in fp8_weights.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         a = amax_doc["amax"][name]
         setattr(parent, child, FP8Linear(weight, bias, a["input_amax"] * widen, a["weight_amax"], dequant, work,
-                                         call_sites[name], excluded_calls & set(call_sites[name])))
+                                         call_sites[name], excluded_calls & set(call_sites[name]), *granularity))
     summary["fp8_layers"] = sorted(fp8_weights)
     unquantized = {n: sorted(excluded_calls & set(s)) for n, s in call_sites.items() if excluded_calls & set(s)}
     if unquantized:

@@ -254,7 +254,7 @@ def reference(family: str, model: str, setting: dict[str, Any], metrics: dict[st
 
 
 def calibrate(family: str, model: str, setting: dict[str, Any], architecture: dict[str, Any], recipe: dict[str, Any],
-              method: dict[str, Any], checkpoint_json: str, samples_json: str | list[str], out: str) -> None:
+              checkpoint_json: str, samples_json: str | list[str], out: str, method: dict[str, Any] | None = None) -> None:
     """Static activation amax per linear layer by a ModelOpt calibration method (`method`: the recipe's, or
     a variant's own) at this setting's shape, on the family's calibration batches through its first graph.
     Several sample files (a recipe's list of sample sets) are calibrated on as one list, in order.
@@ -269,6 +269,7 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
     started = now()
     job_settings()
     fam, st, ckpt, rec = _family(family), _setting(setting), _snapshot(checkpoint_json), Recipe.from_params(recipe)
+    method = method or rec.method
     device = _device()
     graph = next(iter(fam.graphs(st, architecture)))
     sample_files = [samples_json] if isinstance(samples_json, (str, Path)) else list(samples_json)

@@ -337,3 +337,21 @@ def test_a_baselines_profile_is_set_beside_the_time_the_speed_table_shows():
                           {**key, "variant": "fp8", "variant_ms": 1.9, "baseline_ms": 2.185}])
     rows = aggregate._with_timed(kernels, speed, {"s": "fp16"}, "fp8").set_index("variant")
     assert rows.loc["fp16", "timed_ms"] == 2.185 and rows.loc["fp8", "timed_ms"] == 1.9
+
+
+def test_a_row_wise_fp8_layer_is_its_own_gemm_shape_timed_with_its_scales():
+    """g of a per-channel-per-token variant times row-wise GEMMs: its calls name their scales, so its shape is
+    not the per-tensor recipe's, and the GEMM stack rebuilds its layers with those scales."""
+    import torch
+
+    from quantstudy import gemm, quantization
+
+    def calls(**granularity):
+        layer = quantization.FP8Linear(torch.randn(32, 16), None, 1.0, 1.0, torch.float16, torch.float16, **granularity)
+        return gemm.recipe_calls(torch.nn.Sequential(layer), {"input": torch.randn(4, 16).half()})
+
+    [tensor], [rows] = calls(), calls(weight_scales="per_channel", activation_scales="per_token")
+    assert gemm.shape_key(tensor) == "4x16 @ 16x32 -> float16"
+    assert gemm.shape_key(rows) == "4x16 @ 16x32 -> float16 (per_channel weights, per_token activations)"
+    stack, _ = gemm._stack([(rows, 1, "float16")], "fp8", seed=0)
+    assert (stack.layers[0].weight_scales, stack.layers[0].activation_scales) == ("per_channel", "per_token")

@@ -476,3 +476,15 @@ def test_a_calibration_method_names_its_amax_file():
         == "results/s/m/calib/w/amax-mse.json"
     assert paths.AMAX.format(study="s", model="m", setting="w", calibration=paths.calibration_suffix("")) \
         == "results/s/m/calib/w/amax.json"
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"weight_scale": "per_channel"}, r"variant 'fp8-rows': fp8 has no parameter 'weight_scale'; its parameters: include"),
+    ({"activation_scales": "per_row"}, r"variant 'fp8-rows': fp8 activation_scales 'per_row' is not one of static, per_token"),
+])
+def test_the_fp8_transforms_parameters_are_checked(params, message, tmp_path):
+    """A misspelt granularity would build the per-tensor recipe again under another name."""
+    doc = study_doc()
+    doc["variants"]["fp8-rows"] = {"precision": "float16", "transforms": [{"fp8": params}]}
+    with pytest.raises(qc.ConfigError, match=message):
+        load(doc, tmp_path)

@@ -166,3 +166,31 @@ def test_fnet_fp16_graph_keeps_the_sequence_dft_in_fp32(tiny_fnet, tmp_path):
     assert [dtypes[n.output[0]] for n in mixing] == [TensorProto.FLOAT, TensorProto.FLOAT16]  # sequence, hidden
     projection = next(n for n in graph.node if n.name == "fnet.embeddings.projection/MatMul")
     assert dtypes[projection.output[0]] == TensorProto.FLOAT16
+
+
+def test_per_channel_weight_scales_export_as_one_dequantize_per_axis(tmp_path):
+    """fp8 {weight_scales: per_channel}: ONNX Runtime's graph (a weight DequantizeLinear with axis 1 and one scale
+    per output channel) gives the fake-quant layer's output to fp16 rounding."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g) * torch.logspace(-2, 0, 48).unsqueeze(1)  # rows 100x apart
+    layer = quantization.FP8Linear(w, None, input_amax=3.0, weight_amax=float(w.abs().max()),
+                                   dequantize_dtype=torch.float16, work_dtype=torch.float16, weight_scales="per_channel")
+    model = OneLayer(layer).eval()
+    x = (torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1)) * 1.5).half()
+    path = export.export(model, {"x": x}, tmp_path)["onnx"]
+    dq_w = _nodes(path)["block.dense.weight_quantizer/DequantizeLinear"]
+    assert [a.i for a in dq_w.attribute if a.name == "axis"] == [1]
+    scale = numpy_helper.to_array({i.name: i for i in onnx.load(str(path)).graph.initializer}[dq_w.input[1]])
+    assert scale.shape == (48,)
+    with torch.no_grad():
+        want = model(x)["y"].float()
+    got = _run_ort(path, x).float()
+    assert (got - want).abs().max() <= 2 * torch.finfo(torch.float16).eps * want.abs().max()
+
+
+def test_per_token_activation_scales_are_an_export_failure_with_the_reason(tmp_path):
+    w = torch.randn(48, 32) * 0.1
+    layer = quantization.FP8Linear(w, None, 3.0, float(w.abs().max()), torch.float16, torch.float16,
+                                   weight_scales="per_channel", activation_scales="per_token")
+    with pytest.raises(NotImplementedError, match="per_token activation scales are computed at run time"):
+        export.export(OneLayer(layer).eval(), {"x": torch.randn(1, 4, 32).half()}, tmp_path)

@@ -52,6 +52,24 @@ def test_scaled_mm_matches_fake_quant(dequantize, bias):
     torch.testing.assert_close(real.float(), fake.float(), rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("weight_scales, activation_scales", [("per_channel", "static"), ("per_tensor", "per_token"),
+                                                               ("per_channel", "per_token")])
+@pytest.mark.parametrize("dequantize", [torch.float16, torch.float32])
+def test_row_wise_scaled_mm_matches_fake_quant(weight_scales, activation_scales, dequantize):
+    """Per-channel weights and per-token activations: one row-wise torch._scaled_mm (scale_a [M, 1], scale_b
+    [1, N], a bf16 output) gives the fake-quant layer's output to bf16 rounding."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 128) * torch.logspace(-2, 1, 256).unsqueeze(1)
+    layer = qz.FP8Linear(w, torch.randn(256), 4.0, float(w.abs().max()), dequantize, torch.float16,
+                         weight_scales=weight_scales, activation_scales=activation_scales).cuda()
+    x = (torch.randn(3, 17, 128, device="cuda") * torch.logspace(-1, 1, 17, device="cuda").unsqueeze(1)).half()
+    fake = layer(x)
+    assert qz.use_fp8_gemm(layer, "cuda") == [""]
+    real = layer(x)
+    assert real.shape == fake.shape and real.dtype == torch.float16
+    torch.testing.assert_close(real.float(), fake.float(), rtol=2e-2, atol=2e-2 * float(fake.abs().max()))
+
+
 def test_fp8_gemm_skips_shapes_cublaslt_cannot_take():
     layer = qz.FP8Linear(torch.randn(24, 40), None, 1.0, 1.0, torch.float16, torch.float16).cuda()
     assert qz.use_fp8_gemm(layer, "cuda") == [] and not layer.fp8_gemm

@@ -264,3 +264,26 @@ def test_the_microscaling_transform_replaces_the_recipes_layers_and_reads_the_ca
     with pytest.raises(ValueError, match="not both"):
         q.apply_variant(copy.deepcopy(model), {"precision": "float32", "transforms": [{"fp8": {}}, {"microscaling": {"format": "mxfp8"}}]},
                         {"quantize": ["*"], "dequantize_dtype": "float32"}, amax)
+
+
+def test_per_channel_and_per_token_scales_round_each_row_by_its_own_amax():
+    """fp8 {weight_scales: per_channel, activation_scales: per_token}: the weight's row r is FP8 at max|w_r| / 448
+    (rounded to the fp16 Dequantize), the input's row t at max|x_t| / 448 in fp32, each against the float64
+    reference; per tensor, the smallest weight row falls below FP8's subnormals."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 16, generator=g, dtype=torch.float64) * torch.tensor([1e-4, 1e-2, 0.1, 1, 10, 100]).unsqueeze(1).double()
+    x = torch.randn(3, 16, generator=g, dtype=torch.float64) * torch.tensor([[0.01], [1.0], [50.0]]).double()
+    layer = q.FP8Linear(w.float(), None, input_amax=1.0, weight_amax=1.0, dequantize_dtype=torch.float32,
+                        work_dtype=torch.float32, weight_scales="per_channel", activation_scales="per_token")
+    w_scale = [float(r.abs().max()) / 448 for r in w]
+    x_scale = [float(torch.tensor(float(r.abs().max()), dtype=torch.float32)) / 448 for r in x]
+    w_ref = torch.stack([reference_qdq(r, float(torch.tensor(s, dtype=torch.float32))) for r, s in zip(w, w_scale)])
+    x_ref = torch.stack([reference_qdq(r, float(torch.tensor(s, dtype=torch.float32))) for r, s in zip(x, x_scale)])
+    want = x_ref @ w_ref.T
+    got = layer(x.float()).double()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    per_tensor = q.FP8Linear(w.float(), None, float(x.abs().max()), float(w.abs().max()), torch.float32, torch.float32)
+    exact = x @ w.T  # the output of weight row 0 (1e-4 against 100 per tensor: below FP8's subnormals)
+    magnitude = x.abs() @ w.abs().T  # the dot products' size, without their cancellation
+    relative = lambda y: float(((y - exact)[:, 0].abs() / magnitude[:, 0]).max())
+    assert relative(got) < 0.1 and not per_tensor(x.float())[:, 0].any()  # per tensor: every such output is 0

@@ -20,6 +20,7 @@ from quantstudy.families.base import Family
 
 # Modules of this package that register no family: the contract, and the parts of the families that are split.
 PARTS = ("base",
+         "deberta_v2_model",
          "deformable_detr_data", "deformable_detr_metrics", "deformable_detr_model",
          "gpt_neo_data", "gpt_neo_metrics", "gpt_neo_model")
 FAMILIES: registry.Registry[type] = registry.Registry("family", __name__, Family, helpers=PARTS)

@@ -22,6 +22,7 @@ from quantstudy.families.base import Family
 PARTS = ("base",
          "deberta_v2_model",
          "deformable_detr_data", "deformable_detr_metrics", "deformable_detr_model",
+         "fnet_model",
          "gpt_neo_data", "gpt_neo_metrics", "gpt_neo_model")
 FAMILIES: registry.Registry[type] = registry.Registry("family", __name__, Family, helpers=PARTS)
 

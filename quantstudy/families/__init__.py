@@ -23,7 +23,8 @@ PARTS = ("base",
          "deberta_v2_model",
          "deformable_detr_data", "deformable_detr_metrics", "deformable_detr_model",
          "fnet_model",
-         "gpt_neo_data", "gpt_neo_metrics", "gpt_neo_model")
+         "gpt_neo_data", "gpt_neo_metrics", "gpt_neo_model",
+         "timm_xcit_data", "timm_xcit_model")
 FAMILIES: registry.Registry[type] = registry.Registry("family", __name__, Family, helpers=PARTS)
 
 

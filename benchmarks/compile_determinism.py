@@ -17,7 +17,7 @@ Modes, each with the process settings of a workflow job (steps.job_settings) and
   eager                 no torch.compile (the module itself, CUDA graph replay)
 Models: `reductions`, a module whose column mean over 20000 rows is a split reduction (its configs
 autotune at run time); `detr-tiny` and `detr`, the project's Deformable DETR engine
-(families/deformable_detr.DetectorEngine) of config/architectures/tiny-deformable-detr.json or
+(families/deformable_detr_model.DetectorEngine) of config/architectures/tiny-deformable-detr.json or
 deformable-detr.json, random weights (Transformers' ResNet in place of timm's), at --size x --size.
 """
 
@@ -60,7 +60,8 @@ def _module():
     if ARGS.model.startswith("detr"):
         from transformers import DeformableDetrForObjectDetection
 
-        from quantstudy.families.deformable_detr import DeformableDetr, DetectorEngine
+        from quantstudy.families.deformable_detr import DeformableDetr
+        from quantstudy.families.deformable_detr_model import DetectorEngine
 
         name = "tiny-deformable-detr" if ARGS.model == "detr-tiny" else "deformable-detr"
         architecture = json.loads((Path(__file__).parents[1] / f"config/architectures/{name}.json").read_text())

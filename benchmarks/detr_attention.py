@@ -10,7 +10,7 @@ CUDA-graph replay; the workflow's interleaved timing) with each formulation of t
 - `transformers`: Transformers' MultiScaleDeformableAttention, no mask;
 - `transformers-masked`: the same with an all-ones mask as a layer input (plain torch's model);
 - `weighted-stack`: the project's engine: each level's samples weighted before the levels are
-  stacked (`quantstudy.families.deformable_detr.WeightedStackAttention`), so the stack feeds only
+  stacked (`quantstudy.families.deformable_detr_model.WeightedStackAttention`), so the stack feeds only
   the sum;
 - `level-sum`: each level's samples weighted and summed over points on their own, the levels
   added in fp32 (no stack of all levels' samples);
@@ -45,7 +45,7 @@ from torch import nn  # noqa: E402
 from quantstudy import artifacts, metrics, timing as qt  # noqa: E402
 from quantstudy import families as family_registry  # noqa: E402
 from quantstudy.backends import torch_backend  # noqa: E402
-from quantstudy.families import deformable_detr as detr  # noqa: E402
+from quantstudy.families import deformable_detr_model as detr  # noqa: E402
 
 ARCHITECTURE = ROOT / "config" / "architectures" / "deformable-detr.json"
 FORMULATIONS = ["transformers", "transformers-masked", "weighted-stack", "level-sum", "gather"]

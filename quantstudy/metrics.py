@@ -1,4 +1,11 @@
-"""Quality metrics of an engine's features against the PyTorch fp32 reference."""
+"""Quality metrics of an engine's features against the PyTorch fp32 reference.
+
+The module stays whole (about 400 lines): it is a flat library of small functions, each standing
+alone, grouped below by the kind of model they measure (encoders, image classifiers, token features,
+causal language models, detectors). The block-key tuples at the top are every column name a family
+declares and a study's decision may name; kept in one module with the functions that return them,
+they are one place to look up, which a split by kind would scatter.
+"""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from quantstudy import artifacts, audit
-from quantstudy.audit import one_engine_problems, probes_differ
+from quantstudy import artifacts, audit, audit_checks, audit_number
+from quantstudy.audit_checks import one_engine_problems, probes_differ
 from quantstudy.reproduce import compare_quality, compare_timing
 from quantstudy.timing import timing_noise
 
@@ -182,13 +182,13 @@ def test_probes_are_compared_between_the_jobs_of_one_setting():
 def test_a_number_shown_with_its_samples_precision_is_found_in_the_tables():
     """XCiT's top-1 agreement on 16 images is printed 94% (render.pct_of), not 93.75%: the chain finds
     its row either way."""
-    from quantstudy import audit, render
+    from quantstudy import audit_number, render
 
     tables = {"quality": [{"target": "t", "model": "m", "setting": "s", "variant": "fp8",
                            "heldout.top1_agreement": 15 / 16, "source": "q.json"}]}
     shown = render.pct_of(15 / 16, 16)
     assert shown == "94%"
-    hits = audit.find_number(tables, shown)
+    hits = audit_number.find_number(tables, shown)
     assert [(h["column"], h["source"]) for h in hits] == [("heldout.top1_agreement", "q.json")]
 
 
@@ -198,21 +198,21 @@ def test_an_opening_that_redid_its_builds_work_is_a_problem():
     build = {"provenance": {"inputs": {"build": {"path": "r/fp8/build.json"}}}}
     timing = {"schema": "timing", **build, "open_redone": {
         "fp16": {"main": {"compiling": 0.0, "autotuning": 0.0}}, "fp8": {"main": {"compiling": 0.0, "autotuning": 1.5}}}}
-    assert audit.redone_problems("r/fp8/timing.json", timing) == [
+    assert audit_checks.redone_problems("r/fp8/timing.json", timing) == [
         "r/fp8/timing.json: opening the fp8 main engine redid work its build should have done (autotuning 1.5 s): "
         "the build's compiled program lacks what this job ran; rerun it: snakemake --forcerun build r/fp8/build.json"]
     quality = {"schema": "quality", **build, "open_redone": {"decode": {"compiling": 2.0, "autotuning": 0.0}}}
-    [problem] = audit.redone_problems("q.json", quality)
+    [problem] = audit_checks.redone_problems("q.json", quality)
     assert problem.startswith("q.json: opening the decode engine redid work its build should have done (compiling 2 s)")
     for clean in ({"schema": "quality", "open_redone": {"main": {"compiling": 0.0, "autotuning": 0.0}}},
                   {"schema": "quality", "open_redone": {}}, {"schema": "quality"}):
-        assert audit.redone_problems("q.json", clean) == []
+        assert audit_checks.redone_problems("q.json", clean) == []
 
 
 def test_an_opening_that_redid_work_for_under_a_second_is_a_problem_too():
     """Any redone work means the build's program lacks what the job ran, however quick: 0.2 s of autotuning."""
     timing = {"schema": "timing", "open_redone": {"fp8": {"main": {"compiling": 0.0, "autotuning": 0.2}}}}
-    [problem] = audit.redone_problems("t.json", timing)
+    [problem] = audit_checks.redone_problems("t.json", timing)
     assert problem.startswith("t.json: opening the fp8 main engine redid work its build should have done (autotuning 0.2 s)")
 
 
@@ -230,10 +230,10 @@ def test_the_audit_makes_x_again_from_the_round_samples():
     base, var = [2.0, 2.2, 9.0], [1.1, 1.0, 1.2]
     graph = {"baseline_ms": _summary(base), "variant_ms": _summary(var), "x": 2.2 / 1.1, "x_min": 2.0 / 1.1,
              "x_max": 9.0 / 1.2}
-    assert audit.timing_problems("t.json", {"graphs": {"main": graph}}) == []
-    [problem] = audit.timing_problems("t.json", {"graphs": {"main": {**graph, "x": 2.5}}})
+    assert audit_checks.timing_problems("t.json", {"graphs": {"main": graph}}) == []
+    [problem] = audit_checks.timing_problems("t.json", {"graphs": {"main": {**graph, "x": 2.5}}})
     assert problem == f"t.json: graph main's x is 2.5, but its round samples give {2.2 / 1.1!r}"
-    [problem] = audit.timing_problems("t.json", {"graphs": {"main": {**graph, "x_max": 9.0}}})
+    [problem] = audit_checks.timing_problems("t.json", {"graphs": {"main": {**graph, "x_max": 9.0}}})
     assert problem.startswith("t.json: graph main's x_max is 9.0, but its round samples give 7.5")
 
 
@@ -244,11 +244,11 @@ def test_a_sample_list_whose_content_differs_from_its_datasets_is_a_problem(tiny
 
     path = str(tiny_inputs["calibration"])
     doc = artifacts.read_json(path, "samples")
-    assert audit.redrawn_problems(path, doc, "fnet") == []
+    assert audit_checks.redrawn_problems(path, doc, "fnet") == []
     edited = copy.deepcopy(doc)
     first = edited["samples"][1]
     first["sha256"] = "0" * 64
-    [problem] = audit.redrawn_problems(path, edited, "fnet")
+    [problem] = audit_checks.redrawn_problems(path, edited, "fnet")
     assert problem.startswith(f"{path}: sample 1 is {first['id']!r} (sha256 000000000000), but drawing the set "
                               f"again from {doc['repo']} at {doc['revision']} gives {first['id']!r} (sha256 ")
     assert problem.endswith("(1 of %d samples differ)" % len(doc["samples"]))
@@ -284,17 +284,17 @@ def test_a_job_on_another_card_than_its_targets_is_a_problem():
     job = "results/timm_xcit/h200-torch/xcit-tiny/b1/fp8/timing.json"
     on_h200 = json.loads((ROOT / "results/h200-build-once/xcit" / job).read_text())
     on_h100 = json.loads((ROOT / "results/h200-build-once/xcit-h100" / job).read_text())
-    assert audit.card_problems(job, on_h200) == []
-    assert audit.card_problems(job, on_h100) == [
+    assert audit_checks.card_problems(job, on_h200) == []
+    assert audit_checks.card_problems(job, on_h100) == [
         f"{job}: ran on NVIDIA H100 80GB HBM3, but its target h200-torch declares gpu h200: its numbers are not "
         "that card's; rerun it on an h200, or declare the card it ran on in the run config"]
     # A CPU target's job, and a job of no target (a reference), name no card.
     on_cpu = copy.deepcopy(on_h100)
     on_cpu["provenance"]["params"]["target"]["device"] = "cpu"
-    assert audit.card_problems(job, on_cpu) == []
+    assert audit_checks.card_problems(job, on_cpu) == []
     reference = copy.deepcopy(on_h100)
     del reference["provenance"]["params"]["target"]
-    assert audit.card_problems(job, reference) == []
+    assert audit_checks.card_problems(job, reference) == []
 
 
 def test_the_audit_of_a_study_run_on_another_card_names_every_job_of_it(monkeypatch):
@@ -334,9 +334,9 @@ def test_a_numbers_chain_names_the_cells_the_page_shows_by_label_with_arithmetic
 
     unshown = copy.deepcopy(tables)
     next(r for r in unshown["speed"] if r["source"] == row["source"])["x_unshown"] = row["x"]
-    hits = audit.find_number(unshown, "0.96")
+    hits = audit_number.find_number(unshown, "0.96")
     assert "x_unshown" in [h["column"] for h in hits]
-    shown = audit.shown_hits(unshown, "results/timm_xcit/README.md", "0.96", hits)
+    shown = audit_number.shown_hits(unshown, "results/timm_xcit/README.md", "0.96", hits)
     assert {(h["table"], h["column"]) for h in shown} == {("speed", "x"), ("speed", "x_min"), ("speed", "x_max"),
                                                          ("decision", "observed min")}
 
@@ -400,7 +400,7 @@ def test_gpt_neos_kl_ratio_on_the_page_is_a_cell_of_tables_json():
         aggregate.with_ratio(pd.DataFrame(tables["quality"]), "wikitext.kl_mean", "fp16").to_dict("records"))
     fp8 = next(r for r in tables["quality"] if r["variant"] == "fp8")
     shown = f"{fp8['wikitext.kl_mean / fp16']:.1f}"
-    hits = audit.shown_hits(tables, None, shown, audit.find_number(tables, shown))
+    hits = audit_number.shown_hits(tables, None, shown, audit_number.find_number(tables, shown))
     assert ("quality", "wikitext.kl_mean / fp16", fp8["source"]) in {(h["table"], h["column"], h["source"]) for h in hits}
     # Its arithmetic names the fp16 row it is divided by, whose file the chain walks too.
     from quantstudy import render

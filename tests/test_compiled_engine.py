@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from quantstudy import backends, config, families, quantization, steps
-from quantstudy.backends import torch_backend
+from quantstudy.backends import inductor_cache, torch_backend
 from quantstudy.families.base import Setting
 
 from helpers import ROOT, observed_amax, skip_without_gpu
@@ -159,28 +159,28 @@ def test_opening_says_where_its_seconds_went(built, opened_elsewhere):
 def test_an_opening_puts_the_autotune_choices_where_the_build_compiled(built, tmp_path):
     """A compiled Triton kernel (a GPU's; a CPU has none) looks up the build's autotune choice beside
     its own path in the folder the build compiled in: an opening copies each choice it loaded there."""
-    compiled_in = torch_backend._build_folder(built["dir"])
+    compiled_in = inductor_cache.build_folder(built["dir"])
     assert any(compiled_in.rglob("*.py")), "the build compiled elsewhere"
     assert (compiled_in / "engine").read_text() == str(built["dir"].resolve())
     loaded = tmp_path / "opened"
     (loaded / "ab").mkdir(parents=True)
     (loaded / "ab" / "k.best_config").write_text('{"XBLOCK": 128}')
-    torch_backend._place_autotune_choices(loaded, built["dir"])
+    inductor_cache.place_autotune_choices(loaded, built["dir"])
     assert (compiled_in / "ab" / "k.best_config").read_text() == '{"XBLOCK": 128}'
 
 
 def test_a_build_removes_the_build_folders_of_engines_that_are_gone(tmp_path):
     for name in ("kept", "gone", "unnamed", "another"):
         (tmp_path / name).mkdir()  # a build makes its engine's folder first
-    kept, gone, unnamed = (torch_backend._new_build_folder(tmp_path / name) for name in ("kept", "gone", "unnamed"))
+    kept, gone, unnamed = (inductor_cache.new_build_folder(tmp_path / name) for name in ("kept", "gone", "unnamed"))
     (unnamed / "engine").unlink()  # as a folder an opening on another node made: it names no engine
     (tmp_path / "unnamed").rmdir()
-    torch_backend._new_build_folder(tmp_path / "another")
+    inductor_cache.new_build_folder(tmp_path / "another")
     assert kept.is_dir() and gone.is_dir() and unnamed.is_dir()
     (tmp_path / "gone").rmdir()
-    torch_backend._new_build_folder(tmp_path / "another")
+    inductor_cache.new_build_folder(tmp_path / "another")
     assert kept.is_dir() and not gone.exists() and unnamed.is_dir()
-    for folder in (kept, unnamed, torch_backend._build_folder(tmp_path / "another")):
+    for folder in (kept, unnamed, inductor_cache.build_folder(tmp_path / "another")):
         shutil.rmtree(folder)
 
 
@@ -251,11 +251,11 @@ def test_inductor_cache_folders_of_ended_processes_are_removed():
     os._exit, which cleans nothing, so the next process that opens or builds an engine removes the
     folders of processes that have ended, and keeps its own and those of live ones."""
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = torch_backend.CACHE_ROOT / ended.stdout.strip()
-    live = torch_backend.CACHE_ROOT / str(os.getppid())  # pytest's parent shell: alive
+    stale = inductor_cache.CACHE_ROOT / ended.stdout.strip()
+    live = inductor_cache.CACHE_ROOT / str(os.getppid())  # pytest's parent shell: alive
     for folder in (stale, live):
         (folder / "kernels").mkdir(parents=True, exist_ok=True)
-    fresh = Path(torch_backend._fresh_cache_dir())
+    fresh = Path(inductor_cache.fresh_cache_dir())
     assert not stale.exists() and live.exists()
-    assert fresh.is_dir() and fresh.parent == torch_backend.CACHE_ROOT / str(os.getpid())
+    assert fresh.is_dir() and fresh.parent == inductor_cache.CACHE_ROOT / str(os.getpid())
     shutil.rmtree(live)

@@ -86,7 +86,7 @@ RESULTS: list[tuple[str, str, str]] = []  # (family, backend, outcome), printed 
 
 
 GENERIC = ["quantstudy/steps.py", "quantstudy/aggregate.py", "quantstudy/render.py", "quantstudy/config.py",
-           "quantstudy/jobserver.py", "quantstudy/torch_vs_plain.py", "Snakefile", "rules/*.smk",
+           "quantstudy/jobserver.py", "quantstudy/torch_vs_plain*.py", "Snakefile", "rules/*.smk",
            "templates/study.md.j2", "templates/macros.md.j2", "config/schemas/*.yaml", "quantstudy/schemas/*.json"]
 
 

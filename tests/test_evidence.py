@@ -83,13 +83,13 @@ def test_the_build_once_run_opened_every_engine_from_its_build_and_measured_one_
 def test_the_build_once_run_after_the_fix_redid_nothing_opening_its_engines(run: Path):
     """Every time, profile and evaluate job of a run after the autotune fix records what its openings
     redid (`open_redone`), and none compiled or autotuned anything again."""
-    from quantstudy import audit
+    from quantstudy import audit_checks
 
     jobs = {p: json.loads(p.read_text()) for name in ("timing.json", "kernels.json", "quality.json")
             for p in (run / "results").rglob(name)}
     assert len(jobs) == 20
     assert all("open_redone" in doc for doc in jobs.values())
-    assert [problem for p, doc in jobs.items() for problem in audit.redone_problems(str(p), doc)] == []
+    assert [problem for p, doc in jobs.items() for problem in audit_checks.redone_problems(str(p), doc)] == []
 
 
 def _gpu_cost():

@@ -17,7 +17,7 @@ import torch
 from quantstudy import config, export, families, quantization, timing
 from quantstudy.backends import torch_backend
 from quantstudy.families.base import Setting
-from quantstudy.families.deberta_v2 import POSITIONS
+from quantstudy.families.deberta_v2_model import POSITIONS
 
 from helpers import assert_declares_its_quality_columns, observed_amax, skip_without_gpu, tiny_checkpoint
 

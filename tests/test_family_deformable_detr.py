@@ -17,7 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from quantstudy import config, export, families, quantization
 from quantstudy.backends.onnxruntime_backend import session as ort_session
 from quantstudy.families import base
-from quantstudy.families.deformable_detr import SIZE_MAX, SIZE_MIN, DetectorEngine, WeightedStackAttention, load_images
+from quantstudy.families.deformable_detr import SIZE_MAX, SIZE_MIN
+from quantstudy.families.deformable_detr_data import load_images
+from quantstudy.families.deformable_detr_model import DetectorEngine, WeightedStackAttention
 
 from helpers import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
 
@@ -72,7 +74,7 @@ def test_real_size_count_does_not_depend_on_the_timm_backbone(fam):
     it, and the engine's linears the same with any backbone."""
     from transformers import DeformableDetrForObjectDetection
 
-    from quantstudy.families.deformable_detr import transformers_backbone
+    from quantstudy.families.deformable_detr_model import transformers_backbone
 
     real = config.load_architecture("deformable-detr")
     assert fam.hf_config(real).backbone_config.model_type == "timm_backbone"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from quantstudy import config, export, families, quantization, timing
-from quantstudy.families import base, gpt_neo
+from quantstudy.families import base, gpt_neo_data, gpt_neo_metrics
 
 from helpers import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
 
@@ -376,7 +376,7 @@ def test_decode_with_the_cache_equals_prefill_on_the_same_prefix(fam, checkpoint
     pass the local window of 8."""
     run = _run(fam, checkpoint)
     with torch.no_grad():
-        block, nonfinite = gpt_neo.decode_check(run, *_prompts(fam.processor(checkpoint), [4, 9], 12), 12, 16,
+        block, nonfinite = gpt_neo_metrics.decode_check(run, *_prompts(fam.processor(checkpoint), [4, 9], 12), 12, 16,
                                                 steps=8, tolerance=0.0)
     assert block["steps"] == 8 + 3 and block["same_token"] == block["steps"] and block["beyond_tolerance"] == 0
     assert block["max_logit_difference"] < 1e-4
@@ -393,7 +393,7 @@ def test_the_decode_check_sees_a_decode_that_writes_the_token_one_row_late(fam, 
             inputs = {**inputs, "position": inputs["position"] + 1}
         return run(inputs, what, graph, whole)
     with torch.no_grad():
-        block, _ = gpt_neo.decode_check(late, *_prompts(fam.processor(checkpoint), [4, 9], 12), 12, 16,
+        block, _ = gpt_neo_metrics.decode_check(late, *_prompts(fam.processor(checkpoint), [4, 9], 12), 12, 16,
                                         steps=8, tolerance=0.0)
     assert block["max_logit_difference"] > 1e-2
 
@@ -404,13 +404,13 @@ def test_teacher_forced_chunks_and_their_next_tokens(fam, checkpoint):
     tok = fam.processor(checkpoint)
     words = [tok.convert_ids_to_tokens(i) for i in range(2, 14)]
     passages = [{"text": " ".join(words[:4])}, {"text": " ".join(words[4:])}]
-    chunks, targets = gpt_neo.teacher_forced(tok, passages, 10, 5)
+    chunks, targets = gpt_neo_data.teacher_forced(tok, passages, 10, 5)
     assert chunks.tolist() == [list(range(2, 7)), list(range(7, 12))]
     assert targets.tolist() == list(range(3, 13))
     with pytest.raises(ValueError, match="need 13"):
-        gpt_neo.teacher_forced(tok, passages, 12, 6)
+        gpt_neo_data.teacher_forced(tok, passages, 12, 6)
     with pytest.raises(ValueError, match="not a whole number"):
-        gpt_neo.teacher_forced(tok, passages, 10, 4)
+        gpt_neo_data.teacher_forced(tok, passages, 10, 4)
 
 
 def test_arc_rows_score_each_choice_after_the_same_prompt(fam, checkpoint):
@@ -419,14 +419,14 @@ def test_arc_rows_score_each_choice_after_the_same_prompt(fam, checkpoint):
     tok = fam.processor(checkpoint)
     w = [tok.convert_ids_to_tokens(i) for i in range(2, 8)]
     sample = {"id": 0, "question": f"{w[0]} {w[1]}", "choices": [w[2], f"{w[3]} {w[4]}"], "answer": 1}
-    prompt = tok(gpt_neo.ARC_PROMPT.format(question=sample["question"]))["input_ids"]
-    arc = gpt_neo.arc_inputs(tok, [sample], 12, 511)
+    prompt = tok(gpt_neo_data.ARC_PROMPT.format(question=sample["question"]))["input_ids"]
+    arc = gpt_neo_data.arc_inputs(tok, [sample], 12, 511)
     assert arc["arc_starts"].tolist() == [len(prompt)] * 2
     assert arc["arc_ends"].tolist() == [len(prompt) + 1, len(prompt) + 2]
     assert arc["arc_ids"][1, :len(prompt) + 2].tolist() == prompt + [5, 6]
     assert (arc["arc_ids"][0, len(prompt) + 1:] == 511).all() and arc["arc_question"].tolist() == [0, 0]
     with pytest.raises(ValueError, match="max_tokens"):
-        gpt_neo.arc_inputs(tok, [sample], len(prompt) + 1, 511)
+        gpt_neo_data.arc_inputs(tok, [sample], len(prompt) + 1, 511)
 
 
 def test_an_engine_equal_to_the_reference_scores_as_the_reference(fam, checkpoint):

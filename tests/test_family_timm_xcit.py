@@ -17,7 +17,7 @@ import torch
 
 from quantstudy import config, export, families, quantization  # noqa: E402
 from quantstudy.families.base import Family, Setting  # noqa: E402
-from quantstudy.families.timm_xcit import load_images  # noqa: E402
+from quantstudy.families.timm_xcit_data import load_images  # noqa: E402
 
 from helpers import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
 

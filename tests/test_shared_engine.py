@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from quantstudy import audit, config as qc, steps
+from quantstudy import audit_checks, config as qc, steps
 
 from test_config import load, study_doc
 
@@ -111,7 +111,7 @@ def test_one_dynamic_engine_is_timed_at_two_sizes(backend, detr_checkpoint, tmp_
     # Each job probes the engine on its own setting's inputs: the probes differ, so the audit compares
     # probes of the jobs of one setting only (test_audit.py).
     assert [p["main"]["pred_boxes"]["shape"] for p in probes] == [[1, TINY_QUERIES, 4]] * 2
-    assert audit.probes_differ(probes[0], probes[1]) is not None
+    assert audit_checks.probes_differ(probes[0], probes[1]) is not None
 
 
 def test_the_dag_builds_a_shared_engine_once_and_times_it_at_both_sizes(tmp_path):

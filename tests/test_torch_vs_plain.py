@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantstudy import artifacts
+from quantstudy import artifacts, torch_vs_plain_measure as tvp_measure, torch_vs_plain_report as tvp_report
 from quantstudy.devtools import copy_checkout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +87,7 @@ def test_the_json_is_an_artifact_and_the_tables_name_every_setting(bench, tiny_r
     doc, out = tiny_run
     written = artifacts.read_json(out, "torch_vs_plain")
     assert [r["model"] for r in written["rows"]] == [r["model"] for r in doc["rows"]]
-    table = bench.summary_table(doc["rows"])
+    table = tvp_report.summary_table(doc["rows"])
     for row in doc["rows"]:
         where = row["setting"] if row["graph"] == "main" else f"{row['setting']} {row['graph']}"
         assert f"| {row['family']} | {row['model']} | {where} |" in table
@@ -101,11 +101,11 @@ def test_check_fails_a_plain_candidate_that_computes_the_baseline(bench):
     fp8 = fp16 + 3e-2 * torch.randn(4, 64, generator=g)
     good = {"project fp16": {"y": fp16}, "plain fp16": {"y": fp16}, "project fp8": {"y": fp8},
             "plain fp8": {"y": fp8 + 1e-4 * torch.randn(4, 64, generator=g)}}
-    assert bench.check(good, {"y": ref}, "fp16", "fp8")["ok"]
+    assert tvp_measure.check(good, {"y": ref}, "fp16", "fp8")["ok"]
     lazy = {**good, "plain fp8": {"y": fp16}}
-    assert not bench.check(lazy, {"y": ref}, "fp16", "fp8")["ok"]
+    assert not tvp_measure.check(lazy, {"y": ref}, "fp16", "fp8")["ok"]
     nan = {**good, "plain fp16": {"y": torch.full_like(fp16, float("nan"))}}
-    assert not bench.check(nan, {"y": ref}, "fp16", "fp8")["ok"]
+    assert not tvp_measure.check(nan, {"y": ref}, "fp16", "fp8")["ok"]
 
 
 class _Wrap(torch.nn.Module):
@@ -129,16 +129,16 @@ def test_fp8_layers_agree_only_with_the_same_weights_and_scales(bench):
     def plain_model(input_amax: float, w: torch.Tensor = weight) -> torch.nn.Module:
         return _Wrap(plain_fp8.FP8Linear(w, bias, input_amax, float(w.abs().max()), torch.float32, False))
 
-    same = bench.fp8_layers_agree(project, plain_model(3.0), {"x": x})
+    same = tvp_measure.fp8_layers_agree(project, plain_model(3.0), {"x": x})
     assert same["ok"] and same["calls"] == 1 and same["worst"]["rel_l2"] == 0.0
-    assert not bench.fp8_layers_agree(project, plain_model(5.0), {"x": x})["ok"]  # another activation scale (not 2x: FP8 is a float)
-    assert not bench.fp8_layers_agree(project, plain_model(3.0, 1.01 * weight), {"x": x})["ok"]  # another weight
-    unquantized = bench.fp8_layers_agree(project, _Wrap(torch.nn.Linear(64, 32)), {"x": x})
+    assert not tvp_measure.fp8_layers_agree(project, plain_model(5.0), {"x": x})["ok"]  # another activation scale (not 2x: FP8 is a float)
+    assert not tvp_measure.fp8_layers_agree(project, plain_model(3.0, 1.01 * weight), {"x": x})["ok"]  # another weight
+    unquantized = tvp_measure.fp8_layers_agree(project, _Wrap(torch.nn.Linear(64, 32)), {"x": x})
     assert not unquantized["ok"] and unquantized["missing_in_plain"] == ["layer"]
     # A plain model one level down pairs its layers by the declared prefix, and only by it.
     below = _Wrap(plain_model(3.0))  # its FP8 layer is `layer.layer`
-    assert bench.fp8_layers_agree(project, below, {"x": x}, prefix="layer.")["ok"]
-    assert bench.fp8_layers_agree(project, below, {"x": x})["missing_in_plain"] == ["layer"]
+    assert tvp_measure.fp8_layers_agree(project, below, {"x": x}, prefix="layer.")["ok"]
+    assert tvp_measure.fp8_layers_agree(project, below, {"x": x})["missing_in_plain"] == ["layer"]
 
 
 def test_budget_stops_cleanly_before_a_setting_and_keeps_the_order_asked(bench, tmp_path, capsys):
@@ -220,9 +220,9 @@ def test_the_committed_h200_output_is_an_artifact_and_its_markdown_prints_its_ro
     stopped by its device call's limit (no `wall_s`: the script never reached its end) has no summary."""
     doc = artifacts.read_json(out, "torch_vs_plain")
     printed = out.with_suffix(".md").read_text()
-    assert (bench.summary_table(doc["rows"]) in printed) == ("wall_s" in doc)
+    assert (tvp_report.summary_table(doc["rows"]) in printed) == ("wall_s" in doc)
     for row in doc["rows"]:
-        assert bench.row_table(row) in printed
+        assert tvp_report.row_table(row) in printed
         assert row["status"] == "ok" and row["check"]["ok"] and row["check"]["fp8_layers"]["ok"]
 
 
@@ -231,7 +231,7 @@ def test_the_committed_h200_summary_is_the_summary_of_its_calls(bench, capsys, m
     later call's row of a setting timed twice."""
     monkeypatch.chdir(ROOT)
     result = bench.main(["--summary", *[str(p.relative_to(ROOT)) for p in H200_CALLS]])
-    assert bench.summary_table(result["rows"]) in (H200_OUTPUT / "summary.md").read_text()
+    assert tvp_report.summary_table(result["rows"]) in (H200_OUTPUT / "summary.md").read_text()
     printed = capsys.readouterr().out
     assert printed == (H200_OUTPUT / "summary.md").read_text()
     # deberta-v3-base w256 was timed in the first call, in calls/3 and again in calls/20: the latest
@@ -270,7 +270,7 @@ def test_the_summary_of_outputs_names_the_timed_settings_none_of_them_has(bench,
     assert result["uncovered"] == {}  # every registered family: studies and engine studies
     printed = capsys.readouterr().out
     assert "Not covered" not in printed
-    assert bench.summary_table(doc["rows"]) in printed
+    assert tvp_report.summary_table(doc["rows"]) in printed
 
 
 def test_a_registered_family_without_a_study_in_the_run_is_named_with_the_reason(bench):
@@ -344,8 +344,8 @@ def test_plain_gpt_neo_computes_the_project_prefill_and_decode(bench, tmp_path):
                 torch.testing.assert_close(outputs[f"plain {v}"]["present_key_0"],
                                            outputs[f"project {v}"]["present_key_0"])
             engines[f"project {v}"] = project
-        layers = bench.fp8_layers_agree(engines["project fp8"], engines["fp8"], example, plain.layer_prefix("gpt_neo"))
-        result = bench.check(outputs, bench.fp32_outputs("gpt_neo", str(tmp_path), st, graph, example, "cpu"),
+        layers = tvp_measure.fp8_layers_agree(engines["project fp8"], engines["fp8"], example, plain.layer_prefix("gpt_neo"))
+        result = tvp_measure.check(outputs, tvp_measure.fp32_outputs("gpt_neo", str(tmp_path), st, graph, example, "cpu"),
                              "fp16", "fp8", layers)
         assert result["ok"], result
         assert layers["layers"] == arch["num_layers"] * 5 and not layers["missing_in_plain"]
@@ -390,8 +390,8 @@ def test_plain_deformable_detr_computes_the_project_engine(bench, tmp_path):
         models[f"plain {v}"] = plain_detr.model(tmp_path, st, variant, "cpu", "main")
         with torch.no_grad():
             outputs[f"project {v}"], outputs[f"plain {v}"] = models[f"project {v}"](**example), models[f"plain {v}"](**example)
-    layers = bench.fp8_layers_agree(models["project fp8"], models["plain fp8"], example, plain.layer_prefix("deformable_detr"))
-    result = bench.check(outputs, bench.fp32_outputs("deformable_detr", str(tmp_path), st, "main", example, "cpu"),
+    layers = tvp_measure.fp8_layers_agree(models["project fp8"], models["plain fp8"], example, plain.layer_prefix("deformable_detr"))
+    result = tvp_measure.check(outputs, tvp_measure.fp32_outputs("deformable_detr", str(tmp_path), st, "main", example, "cpu"),
                          "fp16", "fp8", layers)
     assert result["ok"], result
     assert layers["layers"] == len(summary["fp8_layers"]) > 0 and not layers["missing_in_plain"]
@@ -406,4 +406,4 @@ def test_rows_past_the_3_percent_margin_are_named(bench):
 
     rows = [row("at", 1.03, 0.9), row("fp8-slow", 1.0, 1.031), row("fp16-slow", 1.04, 1.0),
             row("differ", 1.0, 1.0, False), row("failed", 1.0, 1.0, status="failed")]
-    assert bench.over_margin(rows) == ["m/fp8-slow", "m/fp16-slow", "m/differ", "m/failed"]
+    assert tvp_report.over_margin(rows) == ["m/fp8-slow", "m/fp16-slow", "m/differ", "m/failed"]

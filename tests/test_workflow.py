@@ -556,9 +556,9 @@ def test_the_readme_lists_the_published_numbers_none_reproduced_on_tiny_models(w
     proc = _audit_cli(workflow_copy, "chain", "results/fnet/tables.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "config/published/fnet.yaml" in proc.stdout
-    from quantstudy import audit
+    from quantstudy import audit_number
 
-    hit = next(h for h in audit.find_number(tables, "2.838") if h["table"] == "published")
+    hit = next(h for h in audit_number.find_number(tables, "2.838") if h["table"] == "published")
     assert hit["row"] == "b200-trt11.4 | fnet-base, `w512` | `fp32` (published as base, 512 | B200 / fp32)"
     assert (hit["column"], hit["value"], hit["source"]) == ("published_min", 2.838, "config/published/fnet.yaml")
 

@@ -7,6 +7,12 @@ what really runs in FP8 from the engine inspector (detailed verbosity): a recipe
 GEMMs fell back to fp16 is flagged. Timing replays a CUDA graph of one enqueue on static
 device buffers (no data transfer); per-layer times come from an IProfiler in a separate run.
 A failed parse or build raises with TensorRT's own error text, which the build step records.
+
+The module stays whole (about 400 lines): it is one wrapper of one API, the build, the engine
+inspector's FP8 summary and the Runner sharing TensorRT's logger and types, and it is the only
+module that imports tensorrt, so that where TensorRT is missing one import fails and the registry
+names the backend unavailable. Its tests skip on a machine without TensorRT, so a split could not
+be checked where most changes are made.
 """
 
 from __future__ import annotations

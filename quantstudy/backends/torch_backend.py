@@ -8,9 +8,9 @@ Build once, measure that build. On a compiling target `build` compiles and autot
 every shape its jobs will run and stores what inductor made as its portable cache artifacts
 (`compiled.bin`, torch.compiler.save_cache_artifacts) beside the weights. A job that opens the engine
 loads those artifacts into a cache of its own (and the Triton kernels' autotune choices where those
-kernels look them up: _build_folder) and compiles nothing: dynamo traces the module again (seconds),
-and every graph must then be found in the loaded artifacts, or opening fails and names the build to
-rerun. So the timed, the profiled and the evaluated program are the same kernels with the
+kernels look them up: inductor_cache.build_folder) and compiles nothing: dynamo traces the module
+again (seconds), and every graph must then be found in the loaded artifacts, or opening fails and
+names the build to rerun. So the timed, the profiled and the evaluated program are the same kernels with the
 same autotuning choices. What keys a compiled graph includes process settings the build and every
 job set alike (steps.job_settings; on a CPU, inductor's code depends on the intra-op thread count),
 and the compile options (INDUCTOR_OPTIONS).
@@ -24,15 +24,10 @@ tiny FNet's 11.7 s.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import logging
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,6 +35,8 @@ from torch import nn
 from quantstudy import paths
 from quantstudy.artifacts import atomic_write
 from quantstudy.backends import Inputs, Shapes, batch_chunks, register
+from quantstudy.backends.inductor_cache import (REDONE, artifact_counts, artifact_summary, dynamo_seconds, fx_graph_cache,
+                                           new_build_folder, own_inductor_cache, place_autotune_choices)
 from quantstudy.config import Target
 
 ENGINE_FILE = "engine.safetensors"
@@ -75,127 +72,6 @@ def _save_weights(model: nn.Module, out_dir: Path) -> dict[str, Any]:
     tmp.replace(out_dir / ENGINE_FILE)
     return {"engine": str(out_dir / ENGINE_FILE), "engine_bytes": (out_dir / ENGINE_FILE).stat().st_size,
             "weight_dtypes": sorted({str(v.dtype).removeprefix("torch.") for v in state.values()})}
-
-
-# Each process's inductor caches, in a folder named by its pid (_fresh_cache_dir); each build's, in
-# builds/, in a folder named by its engine's path (_build_folder), kept for its openings while the
-# engine exists (_new_build_folder).
-CACHE_ROOT = Path(tempfile.gettempdir()) / f"quantstudy-inductor-{os.getuid()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def _fresh_cache_dir() -> str:
-    """A fresh folder for inductor's on-disk caches, in this process's folder under CACHE_ROOT. It must
-    last as long as the process (compiled kernels load lazily from it), and a job may end by os._exit
-    (the job server's workers), which runs no clean-up: so each call removes the folders of processes
-    that have ended instead."""
-    CACHE_ROOT.mkdir(exist_ok=True)
-    for folder in CACHE_ROOT.iterdir():
-        if folder.name.isdigit() and int(folder.name) != os.getpid() and not _alive(int(folder.name)):
-            shutil.rmtree(folder, ignore_errors=True)
-    mine = CACHE_ROOT / str(os.getpid())
-    mine.mkdir(exist_ok=True)
-    return tempfile.mkdtemp(dir=mine)
-
-
-def _build_folder(out_dir: str | Path) -> Path:
-    """The folder the build of the engine in `out_dir` compiles in: a path its openings can name too, on
-    any node (from the engine's path). torch keeps each compiled Triton kernel, with its launcher, in the
-    compiled program, and the kernel looks up the build's choice among its configs (an autotune artifact)
-    beside its own path, in the build's folder. An opening loads the artifacts into a folder of its own,
-    where the kernel would not find the choice and would benchmark its configs again: so an opening
-    also puts the choices where the kernels look (_place_autotune_choices)."""
-    return CACHE_ROOT / "builds" / hashlib.sha256(str(Path(out_dir).resolve()).encode()).hexdigest()[:16]
-
-
-def _new_build_folder(out_dir: Path) -> Path:
-    """An empty build folder for the engine in `out_dir`, which names its engine (a file `engine`); and
-    the build folders of engines that are gone are removed (a build folder outlives its job: the
-    engine's openings use it)."""
-    for named in (CACHE_ROOT / "builds").glob("*/engine"):
-        with contextlib.suppress(FileNotFoundError):  # another build removing it too
-            if not Path(named.read_text()).exists():
-                shutil.rmtree(named.parent, ignore_errors=True)
-    folder = _build_folder(out_dir)
-    shutil.rmtree(folder, ignore_errors=True)  # compiled from nothing, as its build's record says
-    folder.mkdir(parents=True)
-    atomic_write(folder / "engine", str(out_dir.resolve()))  # another build reads it to decide on removing
-    return folder
-
-
-def _place_autotune_choices(loaded: Path, out_dir: str | Path) -> None:
-    """Copy the autotune choices an opening loaded (`*.best_config`, by their place in its cache folder)
-    to the same places in the engine's build folder. Openings on one node write the same bytes there,
-    each atomically."""
-    build = _build_folder(out_dir)
-    for choice in loaded.glob("*/*.best_config"):
-        atomic_write(build / choice.relative_to(loaded), choice.read_bytes())
-
-
-@contextlib.contextmanager
-def _own_inductor_cache(folder: Path | None = None) -> Iterator[Path]:
-    """Inductor's on-disk caches in a folder of their own (a fresh one, or `folder`), and a fresh record
-    of cache artifacts: a build compiles from nothing (all it made is recorded), and an opening job finds
-    only what it loaded."""
-    from torch.compiler._cache import CacheArtifactManager
-
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    folder = folder or Path(_fresh_cache_dir())
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-    try:
-        with CacheArtifactManager.with_fresh_cache():
-            yield folder
-    finally:
-        if before is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
-
-
-@contextlib.contextmanager
-def _fx_graph_cache() -> Iterator[dict[str, int]]:
-    """Inductor's FX graph cache lookups inside the block, by outcome: hit, miss (compiled), bypass
-    (compiled, not cacheable). The dict is filled when the block ends."""
-    from torch._dynamo.utils import counters
-
-    def counts() -> dict[str, int]:
-        return {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")}
-    before, found = counts(), {}
-    yield found
-    found.update({k: v - before[k] for k, v in counts().items()})
-
-
-# dynamo's own timers (torch._dynamo.utils.compile_times, seconds summed over the process). The parts
-# of an opening: all of dynamo's work on a frame (`dynamo`), of which the backend's (AOTAutograd and
-# inductor: on an opening job, loading the compiled graphs and kernels from the cache artifacts), or,
-# where dynamo's own output was cached too (torch's experimental caching precompile), the loading of
-# that in place of a trace. And two kinds of work an opening should not do again, summed wherever they
-# ran (a compile thread pool's seconds may exceed the wall time): the C++ sources compiled (inductor's
-# CPU kernels, whose source is what the artifacts hold; none on a GPU, whose Triton kernels they hold
-# compiled), and the benchmarking of a Triton kernel's configs when it first runs (none where the
-# artifacts hold the autotuning's choice).
-DYNAMO_TIMERS = {"dynamo": "_compile.compile_inner", "compiler": "OutputGraph.call_user_compiler",
-                 "precompiled": "after_deserialization",
-                 "compiling": "compile_file", "autotuning": "CachingAutotuner.benchmark_all_configs"}
-REDONE = ("compiling", "autotuning")
-
-
-def _dynamo_seconds() -> dict[str, float]:
-    """dynamo's DYNAMO_TIMERS so far in this process (0 for a timer that has not run)."""
-    from torch._dynamo.utils import compile_times
-
-    names, values = compile_times(repr="csv", aggregate=True)
-    timed = dict(zip(names, values))
-    return {k: float(timed.get(name, 0.0)) for k, name in DYNAMO_TIMERS.items()}
 
 
 def load(skeleton: nn.Module, out_dir: str | Path, device: str = "cpu") -> nn.Module:
@@ -251,8 +127,8 @@ class TorchBackend:
         # Forget what this process compiled before: dynamo would reuse the code of an earlier module
         # of the same class and shapes, and this build would then compile, and record, nothing.
         torch.compiler.reset()
-        with _own_inductor_cache(_new_build_folder(out_dir)):
-            with _fx_graph_cache() as made:
+        with own_inductor_cache(new_build_folder(out_dir)):
+            with fx_graph_cache() as made:
                 for example in shapes.examples:
                     Runner(load(model, out_dir, target.device), example, target.device, compile=True)
             if made["bypass"]:
@@ -263,9 +139,9 @@ class TorchBackend:
             raise NotBuilt("torch.compile recorded no cache artifacts for the engine")
         atomic_write(out_dir / COMPILED_FILE, saved[0])
         seconds = time.perf_counter() - started
-        held = _artifact_counts(saved[1])
+        held = artifact_counts(saved[1])
         log.info("compiled %s at %d shape(s) in %.1f s: %d graphs, %d bytes of cache artifacts (%s)", out_dir,
-                 len(shapes.examples), seconds, made["miss"], len(saved[0]), _said(held))
+                 len(shapes.examples), seconds, made["miss"], len(saved[0]), artifact_summary(held))
         return {**info, "compiled": str(out_dir / COMPILED_FILE), "compiled_bytes": len(saved[0]),
                 "compiled_artifacts": held, "compile_seconds": seconds}
 
@@ -282,11 +158,11 @@ class TorchBackend:
         compiled = Path(out_dir) / COMPILED_FILE
         if not compiled.exists():
             raise NotBuilt(f"{compiled} is missing: the engine was built without compiling; rebuild it")
-        with _own_inductor_cache() as folder:
-            held = _artifact_counts(torch.compiler.load_cache_artifacts(compiled.read_bytes()))
-            _place_autotune_choices(folder, out_dir)
-            artifacts, dynamo = time.perf_counter(), _dynamo_seconds()
-            with _fx_graph_cache() as found:
+        with own_inductor_cache() as folder:
+            held = artifact_counts(torch.compiler.load_cache_artifacts(compiled.read_bytes()))
+            place_autotune_choices(folder, out_dir)
+            artifacts, dynamo = time.perf_counter(), dynamo_seconds()
+            with fx_graph_cache() as found:
                 runner = Runner(model, example, target.device, compile=True)
             ran = time.perf_counter() - artifacts
         if found["miss"] or found["bypass"]:
@@ -294,7 +170,7 @@ class TorchBackend:
                            f"graph(s) that its build did not: the build compiled other shapes or other code; "
                            f"rerun it: snakemake --forcerun build {paths.build_of_engine(out_dir)}")
         runner.open_seconds = time.perf_counter() - started
-        spent = {k: v - dynamo[k] for k, v in _dynamo_seconds().items()}
+        spent = {k: v - dynamo[k] for k, v in dynamo_seconds().items()}
         loading = spent["compiler"] + spent["precompiled"]
         # Where the opening went, the parts apart (they sum to open_seconds, less Python between them);
         # and the work redone within them, which the build should have done.
@@ -304,7 +180,7 @@ class TorchBackend:
                               "capture": runner.capture_seconds, "waiting": runner.waiting_seconds}
         runner.open_redone = {k: spent[k] for k in REDONE}
         log.info("opened %s at %s in %.1f s from %s (%s; FX graph cache: %d hits, 0 misses; %s; of which %s)",
-                 out_dir, _shape_of(example), runner.open_seconds, compiled.name, _said(held), found["hit"],
+                 out_dir, _shape_of(example), runner.open_seconds, compiled.name, artifact_summary(held), found["hit"],
                  ", ".join(f"{k} {v:.2f} s" for k, v in runner.open_phases.items()),
                  ", ".join(f"{k} {v:.2f} s" for k, v in runner.open_redone.items()))
         return runner
@@ -315,16 +191,6 @@ class TorchBackend:
         from quantstudy import timing
 
         return timing.kernel_profile(runner, calls, classify, regions)
-
-
-def _artifact_counts(info) -> dict[str, int]:
-    """What a compiled program holds, by kind of cache artifact (inductor: compiled graphs; autotune: the
-    Triton configs chosen by benchmarking, which an opening then need not benchmark again)."""
-    return {kind: len(keys) for kind, keys in sorted(info.artifacts.items())} if info is not None else {}
-
-
-def _said(counts: dict[str, int]) -> str:
-    return "artifacts: " + (", ".join(f"{n} {kind}" for kind, n in counts.items()) or "none")
 
 
 def _shape_of(inputs: Inputs) -> str:

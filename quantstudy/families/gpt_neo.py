@@ -26,161 +26,34 @@ Export: the dynamo exporter (quantstudy.export.export) exports both graphs, fp16
 as they are; no Q/DQ is inserted afterwards. Its optimizer merges the identical input
 QuantizeLinear / DequantizeLinear of q_proj, k_proj and v_proj (one activation, one scale) into
 one pair, named after q_proj, that feeds all three FP8 GEMMs; each keeps its own FP8 weight.
+
+The family is four modules: this adapter (the contract); gpt_neo_model, the prefill and decode
+modules; gpt_neo_data, the samples' hashes, the tiny tokenizer and the quality data every engine
+reads; gpt_neo_metrics, the decode check and what the evaluation counts per call and per question.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import random
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from quantstudy import kernel_kinds
 from quantstudy.families import base, register
+from quantstudy.families.gpt_neo_data import EOS, arc_inputs, arc_rows, content_sha, short_prompts, teacher_forced, tokenizer_files
+from quantstudy.families.gpt_neo_metrics import bad_rows, decode_check, per_question
+from quantstudy.families.gpt_neo_model import ATTENTION_REGION, GRAPHS, Prefill, as_past
 
 # Kernel groups: the recipe's FP8 projections, the GEMMs that stay fp16 (out_proj, the tied
 # lm_head, projections a variant leaves out), the attention core (scores, softmax, values,
 # cache update) and everything else.
 KERNEL_GROUPS = ["FP8 projection GEMMs", "fp16 GEMMs", "attention", "other"]
-ATTENTION_REGION = "gpt_neo.attention"
 REGIONS = {ATTENTION_REGION: "attention"}
-EOS = "<|endoftext|>"  # GPT-2's only special token: beginning, end and unknown of text
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _content_sha(sample: dict[str, Any]) -> str:
-    """A prompt's text, or a question, its choices and its answer's index on lines of their own."""
-    if "text" in sample:
-        return _sha(sample["text"])
-    return _sha("\n".join([sample["question"], *sample["choices"], str(sample["answer"])]))
-
-
-def _allowed(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Which keys a query sees: causal, and in a local layer only the last `window` positions."""
-    ok = key_pos <= query_pos
-    if window is not None:
-        ok = ok & (query_pos - key_pos < window)
-    return ok
-
-
-class StaticCacheDecoder(nn.Module):
-    """GPTNeoForCausalLM's layers over a static KV cache: the math both engines share.
-
-    Holds Transformers' `transformer` and `lm_head` as they are (their names are the recipe's);
-    attention is computed here, from the attention modules' projections.
-    """
-
-    def __init__(self, model: nn.Module, cache: int):
-        super().__init__()
-        cfg = model.config
-        if cache > cfg.max_position_embeddings:
-            raise ValueError(f"gpt_neo: a cache of {cache} is longer than the model's "
-                             f"{cfg.max_position_embeddings} positions")
-        self.transformer, self.lm_head = model.transformer, model.lm_head
-        self.cache, self.heads = cache, cfg.num_heads
-        # None: global attention; an int: a local layer's window.
-        self.windows = [cfg.window_size if t == "local" else None for t in cfg.attention_layers]
-        for block in self.transformer.h:
-            # Transformers' [positions, positions] mask buffers: the masks are made from positions here.
-            del block.attn.attention.bias
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        return x.view(b, s, self.heads, -1).transpose(1, 2)  # [batch, heads, seq, head_dim]
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        # Unscaled scores and their softmax in fp32 (as Transformers): fp16 would overflow.
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2))
-        scores = torch.where(allowed, scores, torch.finfo(torch.float32).min)
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        out = torch.matmul(probs, v)
-        b, _, s, _ = out.shape
-        return out.transpose(1, 2).reshape(b, s, -1)
-
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, masks: list[torch.Tensor],
-             update) -> dict[str, torch.Tensor]:
-        """Embeddings, blocks, final norm and lm_head. `update(i, k, v)` of layer i's new keys and
-        values -> (keys, values) to attend to, and (present key, present value) to output."""
-        t = self.transformer
-        h = t.wte(input_ids) + t.wpe(positions)
-        caches: dict[str, torch.Tensor] = {}
-        for i, block in enumerate(t.h):
-            attn = block.attn.attention
-            x = block.ln_1(h)
-            q, k, v = self._heads(attn.q_proj(x)), self._heads(attn.k_proj(x)), self._heads(attn.v_proj(x))
-            with record_function(ATTENTION_REGION):
-                keys, values, caches[f"present_key_{i}"], caches[f"present_value_{i}"] = update(i, k, v)
-                a = self._attend(q, keys, values, masks[i])
-            h = h + attn.out_proj(a)
-            h = h + block.mlp(block.ln_2(h))
-        return {"logits": self.lm_head(t.ln_f(h)), **caches}
-
-
-class Prefill(StaticCacheDecoder):
-    """input_ids [batch, n] (n <= cache; the engine's n is the setting's prefill) -> logits and the
-    prompt's keys and values in zeroed static caches."""
-
-    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        n = input_ids.shape[1]
-        positions = torch.arange(n, device=input_ids.device)
-        query, key = positions[:, None], positions[None, :]
-        masks = [_allowed(query, key, w) for w in self.windows]
-        pad = (0, 0, 0, self.cache - n)  # the sequence axis, up to the cache length
-
-        def update(_i, k, v):
-            # Attend to the prompt's own keys; the cache is the same rows, zero-padded.
-            return k, v, F.pad(k, pad), F.pad(v, pad)
-        return self._run(input_ids, positions[None, :], masks, update)
-
-
-class Decode(StaticCacheDecoder):
-    """One new token at `position` over static caches: logits and the caches with its key and value."""
-
-    def forward(self, input_ids: torch.Tensor, position: torch.Tensor, **past: torch.Tensor) -> dict[str, torch.Tensor]:
-        b = input_ids.shape[0]
-        key = torch.arange(self.cache, device=input_ids.device)
-        query = position.view(b, 1, 1, 1)
-        masks = [_allowed(query, key, w) for w in self.windows]  # [batch, 1, 1, cache]
-
-        def update(i, k, v):
-            # Write the new row at `position` of the fixed buffer (a copy in eager torch; an engine
-            # may alias the output to its input buffer).
-            index = position.view(b, 1, 1, 1).expand(b, k.shape[1], 1, k.shape[3])
-            keys = past[f"past_key_{i}"].scatter(2, index, k)
-            values = past[f"past_value_{i}"].scatter(2, index, v)
-            return keys, values, keys, values
-        return self._run(input_ids, position[:, None], masks, update)
-
-
-GRAPHS = {"prefill": Prefill, "decode": Decode}
-
-
-def _tokenizer_files(vocab_size: int, max_length: int) -> dict[str, bytes]:
-    """A word-level tokenizer over the tiny pseudo-words, framed like GPT-2's: no special tokens
-    added, one `<|endoftext|>` (the last id, as 50256 is GPT-2's) for beginning, end and unknown."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from quantstudy import fixtures
-
-    words = fixtures.words(vocab_size - 1)
-    vocab = {w: i for i, w in enumerate(words)} | {EOS: vocab_size - 1}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([EOS])
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-              "bos_token": EOS, "eos_token": EOS, "unk_token": EOS}
-    return {"tokenizer.json": tok.to_str().encode(), "tokenizer_config.json": json.dumps(config).encode(),
-            "special_tokens_map.json": json.dumps({k: v for k, v in config.items() if k.endswith("_token")}).encode()}
+ARC_ROWS_PER_CALL = 8  # prefill rows per engine call when scoring ARC (their logits come back to the CPU)
 
 
 @register("gpt_neo")
@@ -281,7 +154,7 @@ class GPTNeo:
         n = min(p, c - 1)
         with torch.no_grad():
             out = self.module(checkpoint, "prefill", setting)(input_ids=ids[:, :n])
-        return {"input_ids": ids[:, n:n + 1], "position": torch.full((b,), n, dtype=torch.int64), **_as_past(out)}
+        return {"input_ids": ids[:, n:n + 1], "position": torch.full((b,), n, dtype=torch.int64), **as_past(out)}
 
     # --- samples -------------------------------------------------------------------------
     def draw_samples(self, rows: Any, spec: dict[str, Any], processor: Any) -> list[dict[str, Any]]:
@@ -320,14 +193,14 @@ class GPTNeo:
                           "answer": list(row["choices"]["label"]).index(row["answerKey"])}
                 sample["tokens"] = max(len(ids) for ids, _ in arc_rows(processor, sample))
             if sample is not None and lo <= sample["tokens"] <= hi:
-                samples.append({**sample, "sha256": _content_sha(sample)})
+                samples.append({**sample, "sha256": content_sha(sample)})
             if len(samples) == spec["count"]:
                 break
         return samples
 
     @staticmethod
     def content_sha256(samples: list[dict[str, Any]]) -> list[str]:
-        return [_content_sha(s) for s in samples]
+        return [content_sha(s) for s in samples]
 
     def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
                             setting: base.Setting) -> list[base.Inputs]:
@@ -354,7 +227,7 @@ class GPTNeo:
         state.pop("lm_head.weight")  # tied to transformer.wte.weight, stored once as transformers saves it
         files = {"config.json": json.dumps(cfg.to_dict(), indent=1, sort_keys=True).encode(),
                  "model.safetensors": save(state, metadata={"format": "pt"})}
-        files.update(_tokenizer_files(cfg.vocab_size, cfg.max_position_embeddings))
+        files.update(tokenizer_files(cfg.vocab_size, cfg.max_position_embeddings))
         return files
 
     def tiny_dataset_files(self, files: dict[str, str], tiny: dict[str, Any],
@@ -389,7 +262,7 @@ class GPTNeo:
         scores = [qm.continuation_loglik(logits(ids[:end]), ids, start, end)
                   for ids, start, end in zip(arc["arc_ids"], arc["arc_starts"].tolist(), arc["arc_ends"].tolist())]
         prompts = short_prompts(tok, samples["short_prompts"], prefill, eos)
-        by_question = _per_question(scores, arc["arc_question"])
+        by_question = per_question(scores, arc["arc_question"])
         tensors = {"tf_chunks": chunks.to(torch.int32), "tf_targets": targets, "tf_logits": tf_logits.to(dtype),
                    **arc, "arc_scores": torch.tensor(scores, dtype=torch.float64), **prompts}
         blocks = {"wikitext": {"perplexity": qm.perplexity(tf_logits, targets), "tokens": int(targets.numel())},
@@ -407,7 +280,7 @@ class GPTNeo:
 
         nonfinite: dict[str, dict[str, Any]] = {}
         tf = run({"input_ids": reference["tf_chunks"].long()}, "teacher-forced WikiText-2 chunks", graph="prefill")
-        nonfinite["wikitext"] = {"bad": _bad_rows(tf), "of": reference["tf_chunks"].shape[0]}
+        nonfinite["wikitext"] = {"bad": bad_rows(tf), "of": reference["tf_chunks"].shape[0]}
         chunks, positions = reference["tf_chunks"].shape
         # a chunk's tokens vary together: the intervals draw whole chunks
         wikitext = qm.next_token_agreement(reference["tf_logits"].float(), tf["logits"].flatten(0, 1).float(),
@@ -417,13 +290,13 @@ class GPTNeo:
         ids, starts, ends = reference["arc_ids"].long(), reference["arc_starts"].tolist(), reference["arc_ends"].tolist()
         for i in range(0, ids.shape[0], ARC_ROWS_PER_CALL):
             out = run({"input_ids": ids[i:i + ARC_ROWS_PER_CALL]}, graph="prefill")
-            bad += _bad_rows(out)
+            bad += bad_rows(out)
             scores += [qm.continuation_loglik(lg, row, s, e) for lg, row, s, e in
                        zip(out["logits"], ids[i:i + ARC_ROWS_PER_CALL], starts[i:], ends[i:])]
         nonfinite["arc_easy"] = {"bad": bad, "of": ids.shape[0]}
         questions = reference["arc_question"]
-        arc = qm.multiple_choice(_per_question(scores, questions), [s["answer"] for s in samples["arc_easy"]],
-                                 qm.chosen(_per_question(reference["arc_scores"].tolist(), questions)))
+        arc = qm.multiple_choice(per_question(scores, questions), [s["answer"] for s in samples["arc_easy"]],
+                                 qm.chosen(per_question(reference["arc_scores"].tolist(), questions)))
         decode, nonfinite["short_prompts"] = decode_check(run, reference["prompt_ids"], reference["prompt_lengths"],
                                                           setting["prefill"], setting["cache"], metrics["decode_steps"],
                                                           metrics["decode_tolerance"])
@@ -462,119 +335,3 @@ class GPTNeo:
     @staticmethod
     def transforms() -> dict[str, Any]:
         return {}
-
-
-# --- the quality data: what the reference and every engine read ------------------------------
-
-ARC_PROMPT = "Question: {question}\nAnswer:"  # lm-evaluation-harness's ARC prompt; the choice follows after a space
-ARC_ROWS_PER_CALL = 8  # prefill rows per engine call when scoring ARC (their logits come back to the CPU)
-
-
-def arc_rows(tokenizer, sample: dict[str, Any]) -> list[tuple[list[int], int]]:
-    """Each choice of a question as (the prompt's token ids followed by the choice's, where the choice
-    starts). Prompt and choice are tokenized apart, so every choice is scored after the same context."""
-    context = tokenizer(ARC_PROMPT.format(question=sample["question"]))["input_ids"]
-    return [(context + tokenizer(" " + c)["input_ids"], len(context)) for c in sample["choices"]]
-
-
-def arc_inputs(tokenizer, samples: list[dict[str, Any]], prefill: int, pad: int) -> dict[str, torch.Tensor]:
-    """Every choice of every question as one prefill row, padded on the right with `pad`: arc_ids [rows,
-    prefill], the choice's first and end token positions (arc_starts, arc_ends) and its question's index."""
-    rows, starts, ends, question = [], [], [], []
-    for q, sample in enumerate(samples):
-        for ids, start in arc_rows(tokenizer, sample):
-            if len(ids) > prefill:
-                raise ValueError(f"ARC question {sample['id']}: a choice takes {len(ids)} tokens, more than the "
-                                 f"prefill of {prefill}; draw the questions with max_tokens <= {prefill}")
-            rows.append(ids + [pad] * (prefill - len(ids)))
-            starts.append(start)
-            ends.append(len(ids))
-            question.append(q)
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64)
-    return {"arc_ids": as_tensor(rows).view(-1, prefill), "arc_starts": as_tensor(starts),
-            "arc_ends": as_tensor(ends), "arc_question": as_tensor(question)}
-
-
-def teacher_forced(tokenizer, passages: list[dict[str, Any]], tokens: int, prefill: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The passages' text as one token stream, cut into tokens / prefill chunks of `prefill` tokens, and
-    each position's next token in the stream (the target of its logits): chunks [n, prefill], targets
-    [n * prefill]. Each chunk is read on its own (no context from the chunk before)."""
-    if tokens % prefill:
-        raise ValueError(f"teacher_forced_tokens {tokens} is not a whole number of {prefill}-token prefill chunks")
-    stream: list[int] = []
-    for p in passages:
-        stream += tokenizer(p["text"])["input_ids"]
-    if len(stream) < tokens + 1:
-        raise ValueError(f"the wikitext samples hold {len(stream)} tokens; {tokens} teacher-forced tokens "
-                         f"need {tokens + 1}: draw more passages")
-    ids = torch.tensor(stream[:tokens + 1], dtype=torch.int64)
-    return ids[:tokens].view(-1, prefill), ids[1:]
-
-
-def short_prompts(tokenizer, samples: list[dict[str, Any]], prefill: int, pad: int) -> dict[str, torch.Tensor]:
-    """The short held-out prompts padded to the prefill (prompt_ids), and their lengths."""
-    rows, lengths = [], []
-    for s in samples:
-        ids = tokenizer(s["text"])["input_ids"]
-        if not 0 < len(ids) < prefill:
-            raise ValueError(f"short prompt {s['id']}: {len(ids)} tokens; the decode check needs 1 to "
-                             f"{prefill - 1} (draw them with max_tokens < the prefill)")
-        rows.append(ids + [pad] * (prefill - len(ids)))
-        lengths.append(len(ids))
-    return {"prompt_ids": torch.tensor(rows, dtype=torch.int64).view(-1, prefill),
-            "prompt_lengths": torch.tensor(lengths, dtype=torch.int64)}
-
-
-def _per_question(scores: list[float], question: torch.Tensor) -> list[list[float]]:
-    out: list[list[float]] = [[] for _ in range(int(question.max()) + 1 if question.numel() else 0)]
-    for score, q in zip(scores, question.tolist()):
-        out[q].append(score)
-    return out
-
-
-def _bad_rows(outputs: dict[str, torch.Tensor]) -> int:
-    """Rows (first axis) with a NaN or an infinity in any output: the logits or a K/V cache."""
-    from quantstudy import metrics as qm
-
-    ok = torch.stack([qm.finite_rows(v) for v in outputs.values()]).all(dim=0)
-    return int((~ok).sum())
-
-
-def decode_check(run: base.Run, prompt_ids: torch.Tensor, lengths: torch.Tensor, prefill: int, cache: int,
-                 steps: int, tolerance: float) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Greedy decoding with the KV cache against prefill on the same prefix, one engine's pair.
-
-    Per prompt of n tokens: prefill it, take the top token, then for each step k (up to `steps`, while
-    the prefix fits the prefill and the cache) decode that token at position n + k from the caches, and
-    prefill the prompt with every token chosen so far. A step agrees where both pick the same top token;
-    it is within `tolerance` where they differ but the prefill's logit of the decoded token is at most
-    `tolerance` below its top logit (a near tie that rounding may flip). Returns the block and the
-    non-finite count of the calls (logits and caches)."""
-    same = within = total = bad = calls = 0
-    max_diff = 0.0
-    for ids, n in zip(prompt_ids, lengths.tolist()):
-        pre = run({"input_ids": ids[None]}, graph="prefill")
-        bad, calls = bad + _bad_rows(pre), calls + 1
-        token, past, seq = pre["logits"][0, n - 1].float().argmax(), _as_past(pre), ids.clone()
-        for pos in range(n, min(n + steps, prefill, cache)):
-            seq[pos] = token
-            dec = run({"input_ids": token.view(1, 1), "position": torch.tensor([pos]), **past}, graph="decode")
-            full = run({"input_ids": seq[None]}, graph="prefill")
-            bad, calls = bad + _bad_rows(dec) + _bad_rows(full), calls + 2
-            d, p = dec["logits"][0, 0].float(), full["logits"][0, pos].float()
-            token, top = d.argmax(), p.argmax()
-            total += 1
-            same += int(token == top)
-            within += int(token == top or bool(p[top] - p[token] <= tolerance))
-            diff = float((d - p).abs().max())
-            max_diff = max(max_diff, diff) if math.isfinite(diff) else max_diff  # a NaN step is counted as bad
-            past = _as_past(dec)
-    block = {"prompts": int(prompt_ids.shape[0]), "steps": total, "same_token": same, "within_tolerance": within,
-             "beyond_tolerance": total - within, "tolerance": tolerance, "max_logit_difference": max_diff}
-    return block, {"bad": bad, "of": calls}
-
-
-def _as_past(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A graph's present_* outputs as the next decode's past_* inputs."""
-    return {k.replace("present_", "past_"): v for k, v in outputs.items() if k.startswith("present_")}

@@ -5,11 +5,9 @@ transform applied) -> logits [batch, classes], both in the variant's work precis
 module's are float32). Shapes are static: XCiT checkpoints are trained at a fixed input size,
 and each batch is its own engine.
 
-The graph module (`Classifier`) holds the timm model's own modules under timm's names
-(`blocks.3.attn.qkv`, `cls_attn_blocks.1.attn.k`, `head`), so recipe patterns, amax files and
-the timm reference name the same layers. Its forward is timm's Xcit.forward written out, so
-that the attention cores and the convolutions are marked for profiles; the math is timm's
-(the tests hold it to the timm model's own output).
+The graph module (timm_xcit_model.Classifier) holds the timm model's own modules under timm's
+names and writes timm's forward out, so that profiles see the attention cores and convolutions;
+timm_xcit_data reads the samples' images back from their shards and feeds them to an engine.
 
 Recipe (the write-up): FP8 for attn.qkv, attn.proj, mlp.fc1 and mlp.fc2 of every XCA block and
 for the class-attention k and v projections (the write-up's "class-attention attn.kv": timm
@@ -34,23 +32,22 @@ from the shard and checks their hash.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import io
 import json
 import logging
 import random
 import re
-import tarfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from quantstudy import kernel_kinds
 from quantstudy.families import base, register
+from quantstudy.families.timm_xcit_data import (IMAGE_EXTENSIONS, engine_logits, image_bytes, image_column, load_images,
+                                                pixel_values, sha256_hex, tar_bytes, whole_batches)
+from quantstudy.families.timm_xcit_model import ATTENTION_REGION, CONV_REGION, Classifier, timm_model
 
 log = logging.getLogger("quantstudy")
 
@@ -59,164 +56,11 @@ log = logging.getLogger("quantstudy")
 # temperature, softmax over channels; class attention), the convolutions (stem, positional
 # encoding, local patch interaction, with their batch norms and GELUs) and everything else.
 KERNEL_GROUPS = ["FP8 GEMMs", "fp16 GEMMs", "attention", "convolutions", "other"]
-ATTENTION_REGION, CONV_REGION = "xcit.attention", "xcit.convolutions"
 REGIONS = {ATTENTION_REGION: "attention", CONV_REGION: "convolutions"}
 IMAGE_SIZE = 224  # every study checkpoint's pretrained_cfg input_size (fixed_input_size)
-IMAGE_EXTENSIONS = ("webp", "png", "jpg", "jpeg")  # what clip_benchmark reads from a wds shard
 CALIBRATION_BATCH = 16  # images per calibration forward; max calibration does not depend on it
-EVAL_CHUNK = 64  # images decoded and run at a time: 1,500 images at 224 px are 900 MB as pixels
 CONV_OPS = re.compile(r"conv(\dd|olution|_depthwise)")  # aten::conv2d, aten::mkldnn_convolution, ...
 ATTENTION_OPS = re.compile(r"scaled_dot_product")  # aten::_scaled_dot_product_{flash,efficient,cudnn}_attention
-
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-class Classifier(nn.Module):
-    """pixel_values -> {"logits"}: a timm Xcit's modules, under timm's names, run as Xcit.forward
-    runs them in eval mode (dropout and drop-path are identities there and are left out)."""
-
-    def __init__(self, xcit: nn.Module):
-        super().__init__()
-        for name, child in xcit.named_children():
-            self.add_module(name, child)
-        self.pos_embed = xcit.pos_embed  # None (no child) where a config turns it off
-        self.cls_token = xcit.cls_token
-        self.global_pool = xcit.global_pool
-
-    @staticmethod
-    def _channel_attention(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """timm XCA: attention over channels, from l2-normalized q and k; fused (scaled dot-product
-        attention) where timm's module is (`fused_attn`: timm's experimental flag, off by default)."""
-        b, n, c = x.shape
-        qkv = attn.qkv(x).reshape(b, n, 3, attn.num_heads, c // attn.num_heads).permute(2, 0, 3, 4, 1)
-        with record_function(ATTENTION_REGION):
-            q, k, v = qkv.unbind(0)  # [batch, heads, channels per head, tokens]
-            q, k = nn.functional.normalize(q, dim=-1), nn.functional.normalize(k, dim=-1)
-            if attn.fused_attn:
-                x = nn.functional.scaled_dot_product_attention(q * attn.temperature, k, v, scale=1.0)
-            else:
-                x = ((q @ k.transpose(-2, -1)) * attn.temperature).softmax(dim=-1) @ v
-            x = x.permute(0, 3, 1, 2).reshape(b, n, c)
-        return attn.proj(x)
-
-    @staticmethod
-    def _class_attention(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """timm ClassAttn: the class token attends to every token; the output is its row only. Fused
-        (scaled dot-product attention) where timm's module is (`fused_attn`, on by default): on a
-        GPU, a fused attention kernel in place of a scale, two batched GEMMs and a softmax."""
-        b, n, c = x.shape
-        h = attn.num_heads
-        q = attn.q(x[:, 0]).reshape(b, h, 1, c // h)
-        k = attn.k(x).reshape(b, n, h, c // h).permute(0, 2, 1, 3)
-        v = attn.v(x).reshape(b, n, h, c // h).permute(0, 2, 1, 3)
-        with record_function(ATTENTION_REGION):
-            if attn.fused_attn:
-                x_cls = nn.functional.scaled_dot_product_attention(q, k, v)
-            else:
-                x_cls = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
-            x_cls = x_cls.transpose(1, 2).reshape(b, 1, c)
-        return attn.proj(x_cls)
-
-    def forward(self, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
-        x, b = pixel_values, pixel_values.shape[0]
-        with record_function(CONV_REGION):
-            x, (hp, wp) = self.patch_embed(x)
-            if self.pos_embed is not None:
-                x = x + self.pos_embed(b, hp, wp).reshape(b, -1, x.shape[1]).permute(0, 2, 1)
-        for blk in self.blocks:
-            x = x + blk.gamma1 * self._channel_attention(blk.attn, blk.norm1(x))
-            with record_function(CONV_REGION):
-                x = x + blk.gamma3 * blk.local_mp(blk.norm3(x), hp, wp)
-            x = x + blk.gamma2 * blk.mlp(blk.norm2(x))
-        x = torch.cat((self.cls_token.expand(b, -1, -1), x), dim=1)
-        for blk in self.cls_attn_blocks:
-            x_norm1 = blk.norm1(x)
-            x = x + blk.gamma1 * torch.cat([self._class_attention(blk.attn, x_norm1), x_norm1[:, 1:]], dim=1)
-            x = blk.norm2(x) if blk.tokens_norm else torch.cat([blk.norm2(x[:, 0:1]), x[:, 1:]], dim=1)
-            # As timm (and the official XCiT): the residual adds the patch tokens to themselves too.
-            x = x + torch.cat([blk.gamma2 * blk.mlp(x[:, 0:1]), x[:, 1:]], dim=1)
-        x = self.norm(x)
-        pooled = x[:, 1:].mean(dim=1) if self.global_pool == "avg" else x[:, 0]
-        return {"logits": self.head(pooled)}
-
-
-def _create(cfg: dict[str, Any]) -> nn.Module:
-    """The timm model of a checkpoint config (config.json: architecture, num_classes, model_args), random init."""
-    import timm
-
-    return timm.create_model(cfg["architecture"], pretrained=False, num_classes=cfg["num_classes"],
-                             global_pool=cfg.get("global_pool", "token"), **cfg.get("model_args", {}))
-
-
-def _tar(members: dict[str, bytes]) -> bytes:
-    """A tar of the members in order, with fixed metadata, so the same members give the same bytes."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def _image_column(row: dict[str, Any]) -> str:
-    found = [e for e in IMAGE_EXTENSIONS if row.get(e) is not None]
-    if not found:
-        raise ValueError(f"timm_xcit: WebDataset sample {row.get('__key__')!r} has no image "
-                         f"({', '.join(IMAGE_EXTENSIONS)})")
-    return found[0]
-
-
-def _image_bytes(samples: list[dict[str, Any]]):
-    """Each sample's image bytes as stored in its shard (each shard opened once), in order."""
-    open_shards = {}
-    try:
-        for s in samples:
-            if s["shard"] not in open_shards:
-                open_shards[s["shard"]] = tarfile.open(s["shard"])
-            yield open_shards[s["shard"]].extractfile(s["member"]).read()
-    finally:
-        for t in open_shards.values():
-            t.close()
-
-
-def load_images(samples: list[dict[str, Any]]) -> list:
-    """The samples' images (RGB PIL), read from their shards and checked against their sha256."""
-    from PIL import Image
-
-    images = []
-    with contextlib.closing(_image_bytes(samples)) as blobs:  # shards closed also when a check fails
-        for s, data in zip(samples, blobs):
-            if _sha(data) != s["sha256"]:
-                raise ValueError(f"timm_xcit: {s['member']} in {s['shard']} does not have the sample's sha256 "
-                                 f"{s['sha256']}: the dataset snapshot is not the one the samples were drawn from")
-            images.append(Image.open(io.BytesIO(data)).convert("RGB"))
-    return images
-
-
-def pixel_values(transform, images: list) -> torch.Tensor:
-    """[n, 3, H, W] float32: the checkpoint's eval transform (`processor`) of each image."""
-    return torch.stack([transform(img) for img in images])
-
-
-def _whole_batches(x: torch.Tensor, batch: int) -> torch.Tensor:
-    """`x` padded with copies of its first rows to a multiple of `batch` rows: a static engine takes
-    one batch size. The caller cuts the padding's outputs off."""
-    pad = -len(x) % batch
-    return torch.cat([x, x[torch.arange(pad) % len(x)]]) if pad else x
-
-
-def _logits(run, transform, samples: list[dict[str, Any]], batch: int, what: str) -> torch.Tensor:
-    """[images, classes] float32 logits of `run` (an engine, or the reference as one) on the samples'
-    images, decoded and transformed about EVAL_CHUNK at a time, in whole batches of `batch`."""
-    chunk, outs = batch * -(-EVAL_CHUNK // batch), []
-    for i in range(0, len(samples), chunk):
-        x = pixel_values(transform, load_images(samples[i:i + chunk]))
-        with torch.no_grad():
-            out = run({"pixel_values": _whole_batches(x, batch)}, f"{what} {i + len(x)}/{len(samples)}")
-        outs.append(out["logits"][:len(x)].float().cpu())
-    return torch.cat(outs)
 
 
 @register("timm_xcit")
@@ -242,7 +86,7 @@ class TimmXcit:
     def quantizable_layers(self, architecture: dict[str, Any]) -> list[str]:
         """Linear layers of the graph module (timm's names), built on the meta device."""
         with torch.device("meta"):
-            graph = Classifier(_create(self.hf_config(architecture)))
+            graph = Classifier(timm_model(self.hf_config(architecture)))
         return [n for n, m in graph.named_modules() if isinstance(m, nn.Linear)]
 
     @staticmethod
@@ -272,7 +116,7 @@ class TimmXcit:
         from timm.models.xcit import checkpoint_filter_fn
 
         folder = Path(checkpoint)
-        model = _create(json.loads((folder / "config.json").read_text()))
+        model = timm_model(json.loads((folder / "config.json").read_text()))
         model.load_state_dict(checkpoint_filter_fn(load_file(folder / "model.safetensors"), model))
         return model.to(dtype).eval()
 
@@ -329,15 +173,15 @@ class TimmXcit:
         samples = []
         for i in picked:
             row = rows[i]
-            ext = _image_column(row)
+            ext = image_column(row)
             data = row[ext]["bytes"]
-            samples.append({"id": row["__key__"], "label": int(row["cls"]), "sha256": _sha(data),
+            samples.append({"id": row["__key__"], "label": int(row["cls"]), "sha256": sha256_hex(data),
                             "shard": row["__url__"], "member": f"{row['__key__']}.{ext}"})
         return samples
 
     @staticmethod
     def content_sha256(samples: list[dict[str, Any]]) -> list[str]:
-        return [_sha(data) for data in _image_bytes(samples)]
+        return [sha256_hex(data) for data in image_bytes(samples)]
 
     def calibration_batches(self, checkpoint: str | Path, samples: list[dict[str, Any]],
                             setting: base.Setting) -> list[base.Inputs]:
@@ -405,7 +249,7 @@ class TimmXcit:
 
         torch.manual_seed(tiny["seed"])
         cfg = self.hf_config(architecture)
-        model = _create(cfg)
+        model = timm_model(cfg)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.dim() == 1 or name.endswith("temperature"):
@@ -449,7 +293,7 @@ class TimmXcit:
                     members[f"s{key:07d}.webp"] = buf.getvalue()
                     members[f"s{key:07d}.cls"] = str(p % classes).encode()
                     key += 1
-                out[pattern.replace("*", str(shard)) if "*" in pattern else pattern] = _tar(members)
+                out[pattern.replace("*", str(shard)) if "*" in pattern else pattern] = tar_bytes(members)
         return out
 
     # --- measurements --------------------------------------------------------------------
@@ -467,7 +311,7 @@ class TimmXcit:
         forward = lambda x, what="": {"logits": model(x["pixel_values"].to(device, dtype))}
         tensors, blocks = {}, {}
         for name, rows in samples.items():
-            logits = _logits(forward, transform, rows, 1, name)
+            logits = engine_logits(forward, transform, rows, 1, name)
             labels = torch.tensor([s["label"] for s in rows], dtype=torch.int64)
             log.info("reference on %s: %d images", name, len(rows))
             tensors[f"{name}_logits"], tensors[f"{name}_labels"] = logits, labels
@@ -486,17 +330,17 @@ class TimmXcit:
         transform, batch = self.processor(checkpoint), setting.batch
         blocks, nonfinite = {}, {}
         for name, rows in samples.items():
-            logits = _logits(run, transform, rows, batch, name)
+            logits = engine_logits(run, transform, rows, batch, name)
             ref = reference[f"{name}_logits"]
             blocks[name] = {**qm.top1_agreement(ref, logits),
                             "top1_accuracy": qm.top1_accuracy(logits, reference[f"{name}_labels"])}
             nonfinite[name] = {"bad": qm.nonfinite_rows(logits), "of": logits.shape[0]}
             for other_name, other in (against or {}).items():
-                theirs = _logits(other, transform, rows, batch, f"{name} on {other_name}")
+                theirs = engine_logits(other, transform, rows, batch, f"{name} on {other_name}")
                 blocks[base.against_block(name, other_name)] = qm.top1_agreement(theirs, logits)
         stress = self.stress_inputs(metrics["stress_inputs"], seeds["stress"])
         x = pixel_values(transform, stress["images"])
-        out = run({"pixel_values": _whole_batches(x, batch)}, "stress inputs")["logits"][:len(x)].float()
+        out = run({"pixel_values": whole_batches(x, batch)}, "stress inputs")["logits"][:len(x)].float()
         nonfinite["stress"] = {"bad": qm.nonfinite_rows(out), "of": out.shape[0], "kinds": sorted(set(stress["kinds"]))}
         return base.Evaluation(blocks, nonfinite)
 

@@ -75,6 +75,18 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (q.to(torch.float32) * scale).to(dtype)
 
 
+# An FP8 softmax output's static scale: probabilities lie in [0, 1], 1 maps to E4M3's 448.
+PROBABILITY_SCALE = 1.0 / FP8_MAX
+
+
+def fp8_round_trip(x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """x through FP8 E4M3 and back, in x's dtype: at `scale`, or at x's own amax / 448 (a dynamic per-tensor
+    scale, as for the operands of an FP8 attention or DFT matmul, which no calibration covers)."""
+    s = (torch.tensor(scale, dtype=torch.float32, device=x.device) if scale is not None
+         else x.detach().abs().amax().float().clamp_min(1e-12) / FP8_MAX)
+    return dequantize_fp8(quantize_fp8(x, s), s, x.dtype)
+
+
 def fp8_gemm_supported(device: torch.device | str) -> bool:
     """Whether `device` runs real FP8 GEMMs (torch._scaled_mm): CUDA with compute capability 8.9+."""
     device = torch.device(device)

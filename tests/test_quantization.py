@@ -287,3 +287,15 @@ def test_per_channel_and_per_token_scales_round_each_row_by_its_own_amax():
     magnitude = x.abs() @ w.abs().T  # the dot products' size, without their cancellation
     relative = lambda y: float(((y - exact)[:, 0].abs() / magnitude[:, 0]).max())
     assert relative(got) < 0.1 and not per_tensor(x.float())[:, 0].any()  # per tensor: every such output is 0
+
+
+def test_an_fp8_round_trip_scales_by_the_tensors_own_amax_or_a_given_scale():
+    """Dynamic per-tensor: amax 448 maps to scale 1, where E4M3 keeps 3 mantissa bits (17 -> 16, 19 -> 20);
+    at the probability scale 1/448, 1.0 and 0.5 stay exact and 0.3 rounds as the float64 reference does."""
+    x = torch.tensor([448.0, 17.0, 19.0, -3.0])
+    assert q.fp8_round_trip(x).tolist() == [448.0, 16.0, 20.0, -3.0]
+    assert q.fp8_round_trip(x / 8).tolist() == [56.0, 2.0, 2.5, -0.375]  # the same grid, scaled
+    p = torch.tensor([1.0, 0.5, 0.3], dtype=torch.float64)
+    got = q.fp8_round_trip(p, q.PROBABILITY_SCALE)
+    assert got.dtype == torch.float64 and got[:2].tolist() == [1.0, 0.5]
+    assert got[2].item() == pytest.approx(reference_qdq(p[2:], q.PROBABILITY_SCALE).item(), rel=1e-6)

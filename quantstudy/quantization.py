@@ -75,8 +75,8 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (q.to(torch.float32) * scale).to(dtype)
 
 
-# An FP8 softmax output's static scale: probabilities lie in [0, 1], 1 maps to E4M3's 448.
-PROBABILITY_SCALE = 1.0 / FP8_MAX
+# A static scale for values within [-1, 1] (softmax outputs, a DFT matrix): 1 maps to E4M3's 448.
+UNIT_RANGE_SCALE = 1.0 / FP8_MAX
 
 
 def fp8_round_trip(x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -85,6 +85,21 @@ def fp8_round_trip(x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     s = (torch.tensor(scale, dtype=torch.float32, device=x.device) if scale is not None
          else x.detach().abs().amax().float().clamp_min(1e-12) / FP8_MAX)
     return dequantize_fp8(quantize_fp8(x, s), s, x.dtype)
+
+
+# What an `fp8_attention` family transform does (GPT-Neo, DeBERTa): the write-ups' untried FP8 attention.
+FP8_ATTENTION = ("the attention matmuls' operands through FP8 (fake quant): queries, keys and values at their own "
+                 "amax / 448 (dynamic, per tensor), the softmax output at 1/448")
+
+
+def fp8_attention_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Queries, keys and values of an FP8 attention (FP8_ATTENTION): each at its own amax."""
+    return tuple(fp8_round_trip(t) for t in tensors)
+
+
+def fp8_probabilities(probs: torch.Tensor) -> torch.Tensor:
+    """An FP8 attention's softmax output, at the static UNIT_RANGE_SCALE."""
+    return fp8_round_trip(probs, UNIT_RANGE_SCALE)
 
 
 def fp8_gemm_supported(device: torch.device | str) -> bool:

@@ -296,6 +296,6 @@ def test_an_fp8_round_trip_scales_by_the_tensors_own_amax_or_a_given_scale():
     assert q.fp8_round_trip(x).tolist() == [448.0, 16.0, 20.0, -3.0]
     assert q.fp8_round_trip(x / 8).tolist() == [56.0, 2.0, 2.5, -0.375]  # the same grid, scaled
     p = torch.tensor([1.0, 0.5, 0.3], dtype=torch.float64)
-    got = q.fp8_round_trip(p, q.PROBABILITY_SCALE)
+    got = q.fp8_round_trip(p, q.UNIT_RANGE_SCALE)
     assert got.dtype == torch.float64 and got[:2].tolist() == [1.0, 0.5]
-    assert got[2].item() == pytest.approx(reference_qdq(p[2:], q.PROBABILITY_SCALE).item(), rel=1e-6)
+    assert got[2].item() == pytest.approx(reference_qdq(p[2:], q.UNIT_RANGE_SCALE).item(), rel=1e-6)

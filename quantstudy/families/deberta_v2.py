@@ -33,7 +33,7 @@ from torch import nn
 from quantstudy import kernel_kinds, metrics as qm, quantization
 from quantstudy.families import base, register
 from quantstudy.families.base import Evaluation, Graph, Setting, TensorSpec
-from quantstudy.families.deberta_v2_model import FeatureEncoder
+from quantstudy.families.deberta_v2_model import FeatureEncoder, fp8_attention
 
 log = logging.getLogger("quantstudy")
 
@@ -102,7 +102,7 @@ class DebertaV2:
 
     @staticmethod
     def transforms() -> dict[str, Any]:
-        return {}
+        return {"fp8_attention": fp8_attention}
 
     # --- configuration -------------------------------------------------------------------
     @staticmethod

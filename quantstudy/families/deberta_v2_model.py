@@ -50,6 +50,7 @@ class RelativeAttention(nn.Module):
                              persistent=False)
         for proj in (self.query_proj, self.key_proj):
             quantization.declare_call_sites(proj, POSITIONS)
+        self.fp8_attention = False  # set by the fp8_attention transform (quantization.FP8_ATTENTION)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, output_attentions: bool = False,
                 query_states: torch.Tensor | None = None, relative_pos: torch.Tensor | None = None,
@@ -60,12 +61,16 @@ class RelativeAttention(nn.Module):
         query = _heads(self.query_proj(hidden_states), heads)
         key = _heads(self.key_proj(hidden_states), heads)
         value = _heads(self.value_proj(hidden_states), heads)
+        if self.fp8_attention:
+            query, key, value = quantization.fp8_attention_operands(query, key, value)
         scale = self.scale.to(query.dtype)
         scores = torch.bmm(query, key.transpose(-1, -2) / scale)
         scores = scores + self._relative_scores(query, key, relative_pos, rel_embeddings, scale)
         scores = scores.view(-1, heads, scores.size(-2), scores.size(-1))
         scores = scores.masked_fill(~attention_mask.bool(), torch.finfo(query.dtype).min)
         probs = torch.softmax(scores, dim=-1)
+        if self.fp8_attention:
+            probs = quantization.fp8_probabilities(probs)
         context = torch.bmm(probs.view(-1, probs.size(-2), probs.size(-1)), value)
         context = context.view(-1, heads, context.size(-2), context.size(-1)).permute(0, 2, 1, 3).contiguous()
         return context.view(*context.size()[:-2], -1), None
@@ -77,6 +82,8 @@ class RelativeAttention(nn.Module):
         rel = rel_embeddings[0:span * 2, :].unsqueeze(0)
         pos_query = _heads(quantization.linear_call(self.query_proj, rel, POSITIONS), heads).repeat(batch, 1, 1)
         pos_key = _heads(quantization.linear_call(self.key_proj, rel, POSITIONS), heads).repeat(batch, 1, 1)
+        if self.fp8_attention:  # the position products are attention matmuls too
+            pos_query, pos_key = quantization.fp8_attention_operands(pos_query, pos_key)
         relative_pos = relative_pos.unsqueeze(1)
         score = 0
         if "c2p" in self.pos_att_type:
@@ -139,3 +146,14 @@ def _offsets(window: int, device: torch.device) -> torch.Tensor:
     """[window, window] int64: i - j + window - 1, the index of query i and key j's offset."""
     positions = torch.arange(window, device=device)
     return positions[:, None] - positions[None, :] + (window - 1)
+
+
+def fp8_attention(model: nn.Module, params: dict) -> dict:
+    """The fp8_attention transform: every layer's attention matmuls, content and position products, with FP8
+    operands (quantization.FP8_ATTENTION)."""
+    layers = [m for m in model.modules() if isinstance(m, RelativeAttention)]
+    if not layers:
+        raise ValueError("fp8_attention: the model has no DeBERTa relative attention")
+    for m in layers:
+        m.fp8_attention = True
+    return {"fp8_attention": quantization.FP8_ATTENTION + "; the relative-position products too"}

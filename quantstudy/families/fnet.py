@@ -20,7 +20,7 @@ from torch import nn
 from quantstudy import kernel_kinds
 from quantstudy.families import base, register
 from quantstudy.families.base import Evaluation, Graph, Setting, TensorSpec
-from quantstudy.families.fnet_model import FeatureEncoder, FourierBlock, hidden_scaling
+from quantstudy.families.fnet_model import FeatureEncoder, FourierBlock, fp8_hidden_dft, hidden_scaling
 
 log = logging.getLogger("quantstudy")
 
@@ -82,7 +82,7 @@ class FNet:
         return "other" if device == "cpu" else kernel_kinds.group_by_name(name, self.kernel_patterns)
 
     def transforms(self) -> dict[str, Any]:
-        return {"hidden_scaling": hidden_scaling}
+        return {"hidden_scaling": hidden_scaling, "fp8_hidden_dft": fp8_hidden_dft}
 
     # --- configuration -------------------------------------------------------------------
     @staticmethod

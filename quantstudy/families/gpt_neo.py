@@ -46,7 +46,7 @@ from quantstudy import kernel_kinds
 from quantstudy.families import base, register
 from quantstudy.families.gpt_neo_data import EOS, arc_inputs, arc_rows, content_sha, short_prompts, teacher_forced, tokenizer_files
 from quantstudy.families.gpt_neo_metrics import bad_rows, decode_check, per_question
-from quantstudy.families.gpt_neo_model import ATTENTION_REGION, GRAPHS, Prefill, as_past
+from quantstudy.families.gpt_neo_model import ATTENTION_REGION, GRAPHS, Prefill, as_past, fp8_attention
 
 # Kernel groups: the recipe's FP8 projections, the GEMMs that stay fp16 (out_proj, the tied
 # lm_head, projections a variant leaves out), the attention core (scores, softmax, values,
@@ -334,4 +334,4 @@ class GPTNeo:
 
     @staticmethod
     def transforms() -> dict[str, Any]:
-        return {}
+        return {"fp8_attention": fp8_attention}

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from quantstudy import quantization
+
 ATTENTION_REGION = "gpt_neo.attention"
 
 
@@ -43,16 +45,21 @@ class StaticCacheDecoder(nn.Module):
         for block in self.transformer.h:
             # Transformers' [positions, positions] mask buffers: the masks are made from positions here.
             del block.attn.attention.bias
+        self.fp8_attention = False  # set by the fp8_attention transform (quantization.FP8_ATTENTION)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         return x.view(b, s, self.heads, -1).transpose(1, 2)  # [batch, heads, seq, head_dim]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        if self.fp8_attention:
+            q, k, v = quantization.fp8_attention_operands(q, k, v)
         # Unscaled scores and their softmax in fp32 (as Transformers): fp16 would overflow.
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2))
         scores = torch.where(allowed, scores, torch.finfo(torch.float32).min)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        if self.fp8_attention:
+            probs = quantization.fp8_probabilities(probs)
         out = torch.matmul(probs, v)
         b, _, s, _ = out.shape
         return out.transpose(1, 2).reshape(b, s, -1)
@@ -113,6 +120,14 @@ class Decode(StaticCacheDecoder):
 
 
 GRAPHS = {"prefill": Prefill, "decode": Decode}
+
+
+def fp8_attention(model: nn.Module, params: dict) -> dict:
+    """The fp8_attention transform: every layer's attention matmuls with FP8 operands (quantization.FP8_ATTENTION)."""
+    if not isinstance(model, StaticCacheDecoder):
+        raise ValueError("fp8_attention: the model is not GPT-Neo's graph module")
+    model.fp8_attention = True
+    return {"fp8_attention": quantization.FP8_ATTENTION}
 
 
 def as_past(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

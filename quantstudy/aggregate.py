@@ -688,7 +688,7 @@ def calibration_row(amax: dict[str, Any], study: dict[str, Any]) -> dict[str, An
 def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[str, str], run: dict[str, Any],
               targets: dict[str, dict[str, Any]], out: str) -> None:
     """tables.json: the tables of the input files, with every argument they were made from in its
-    provenance (the audit makes them again from those files and compares, audit.rederived_problems)."""
+    provenance (the audit makes them again from those files and compares, audit_checks.rederived_problems)."""
     started = now()
     params = {"study": study, "baselines": baselines, "run": run, "targets": targets}
     write_json(out, "tables", {**tables(inputs, **params), "provenance": provenance(

@@ -107,8 +107,7 @@ def first_model_checkpoint(w):
 
 def amax_json(study_name, model, setting, calibration=""):
     """An amax file: the recipe's method (calibration ""), or the method a variant's calibration label names."""
-    return paths.AMAX.format(study=study_name, model=model, setting=setting,
-                             calibration=paths.calibration_suffix(calibration))
+    return paths.AMAX.format(study=study_name, model=model, setting=setting, calibration=paths.calibration_suffix(calibration))
 
 
 def amax_input(w):

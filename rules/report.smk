@@ -11,8 +11,12 @@ rule aggregate:
         gemms=lambda w: gemm_files(study(w)),
         qualities=lambda w: engine_files(study(w), paths.QUALITY),
         references=lambda w: [paths.REFERENCE.format(study=w.study, model=m, setting=s) for m, s in study(w).model_settings(True)],
-        amax=lambda w: [amax_json(w.study, m, s, c) for m in study(w).models for s in study(w).calibration_settings(m)
-                        for c in study(w).calibration_labels(RUN.targets)],
+        amax=lambda w: [
+            amax_json(w.study, m, s, c)
+            for m in study(w).models
+            for s in study(w).calibration_settings(m)
+            for c in study(w).calibration_labels(RUN.targets)
+        ],
         checkpoints=lambda w: [paths.CHECKPOINT.format(study=w.study, model=m) for m in study(w).models],
         published=lambda w: [study(w).published] if study(w).published else [],
         samples=study_sample_lists,

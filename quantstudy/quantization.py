@@ -31,6 +31,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from quantstudy.kernel_kinds import FP8_REGION  # the region an FP8 layer runs in, as profiles read it
+from quantstudy.study import BLACKWELL, Target
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8 = torch.float8_e4m3fn
@@ -473,12 +474,30 @@ def _microscale(model: nn.Module, params: dict[str, Any], recipe: dict[str, Any]
     layers = fp8_layers(linear_names(model), recipe, params, amax_doc["outliers"]["layers"])
     if not layers:
         raise ValueError("the microscaling transform selects no layer")
+    block = MICROSCALING_BLOCK.get(fmt)
+    uneven = [f"{n} ({model.get_submodule(n).in_features})" for n in layers
+              if block and model.get_submodule(n).in_features % block]
+    if uneven:  # raised, so that the build records it as this variant's failure
+        raise ValueError(f"{fmt} scales blocks of {block} along a layer's input width, which these layers' widths "
+                         f"are no multiple of: {', '.join(uneven)}")
     for name in layers:
         parent_name, _, child = name.rpartition(".")
         parent, old = model.get_submodule(parent_name), model.get_submodule(name)
         setattr(parent, child, MicroscaledLinear(old.weight.detach().float(), old.bias, fmt,
                                                  amax_doc["amax"][name]["input_amax"], work))
     return {"microscaled_layers": sorted(layers), "microscaling_format": fmt}
+
+
+def refuse_block_scaled_engine(spec: dict[str, Any], target: Target) -> None:
+    """A microscaled variant on a Blackwell target, where it is timed (`timed: blackwell`): no backend builds
+    an NVFP4 or MXFP8 engine yet, and MicroscaledLinear's fake-quant would be timed as one. Raised, so that
+    the build records it; elsewhere the variant builds as fake-quant, for its quality."""
+    formats = [next(iter(t.values())).get("format") for t in spec["transforms"] if "microscaling" in t]
+    if formats and target.gpu.lower() in BLACKWELL:
+        raise NotImplementedError(
+            f"no backend implements an {' / '.join(f.upper() for f in formats)} engine yet: target {target.name} "
+            f"({target.gpu}, {target.backend}) would time ModelOpt's fake-quant (block-scaled round trips and a "
+            f"{spec['precision']} GEMM), not the block-scaled tensor-core GEMMs a Blackwell GPU runs")
 
 
 def apply_variant(model: nn.Module, spec: dict[str, Any], recipe: dict[str, Any], amax_doc: dict[str, Any] | None,

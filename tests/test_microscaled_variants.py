@@ -1,15 +1,17 @@
-"""NVFP4 and MXFP8 variants (`microscaling` transform) through the build, export and evaluate steps:
-quality anywhere, no engine on Blackwell targets yet, a width the block does not divide a recorded failure."""
+"""NVFP4 and MXFP8 variants (`microscaling` transform, `timed: blackwell`) through the build, export and
+evaluate steps, and the README: quality anywhere, speed on Blackwell targets only, a width the
+block does not divide a recorded failure, and the write-up's "not tried" item measured only where it ran."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 
-from quantstudy import config as qc, quantization, steps
+from quantstudy import config as qc, quantization, render, steps
 
-from helpers import CPU_TORCH, FNET_SETTING, ident
+from helpers import CPU_TORCH, FNET_SETTING, ROOT, ident
 
 NVFP4 = {"precision": "float16", "transforms": [{"microscaling": {"format": "nvfp4"}}]}
 B200 = {"backend": "tensorrt", "device": "cuda", "gpu": "b200", "version": "11.4"}
@@ -87,3 +89,80 @@ def test_a_blackwell_target_records_that_no_backend_builds_a_block_scaled_engine
         quantization.refuse_block_scaled_engine(NVFP4, b200)
     quantization.refuse_block_scaled_engine(NVFP4, qc.Target.from_params(CPU_TORCH))  # quality, by fake-quant
     quantization.refuse_block_scaled_engine({"precision": "float16", "transforms": [{"fp8": {}}]}, b200)
+
+
+# --- the README ------------------------------------------------------------------------------
+
+GPT_NEO = ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json"
+
+
+def with_microscaled(tables: dict, ran: bool = True) -> dict:
+    """The committed GPT-Neo evidence (one h200-torch target) with `nvfp4` and `mxfp8` in its study as
+    `timed: blackwell`; where they `ran`, a build and a quality row each, copied from fp8's with a KL twice
+    (nvfp4) and 1.1 times (mxfp8) fp8's."""
+    tables = copy.deepcopy(tables)
+    for v in ("nvfp4", "mxfp8"):
+        tables["spec"]["variants"][v] = {"precision": "float16", "timed": "blackwell",
+                                         "transforms": [{"microscaling": {"format": v}}]}
+    if ran:
+        for v, factor in (("nvfp4", 2.0), ("mxfp8", 1.1)):
+            for table in ("builds", "quality"):
+                for row in [r for r in tables[table] if r["variant"] == "fp8"]:
+                    new = {**row, "variant": v, "source": row["source"].replace("/fp8/", f"/{v}/")}
+                    if table == "quality":  # the evidence's rows predate the `... / fp16` column
+                        new["wikitext.kl_mean"] = row["wikitext.kl_mean"] * factor
+                    tables[table].append(new)
+    return tables
+
+
+def test_the_readme_says_a_microscaled_variants_speed_needs_a_blackwell_gpu_and_why():
+    from quantstudy import artifacts
+
+    tables = with_microscaled(artifacts.read_json(GPT_NEO, "tables"))
+    section = render.render_section(tables)
+    reason = "NVFP4 / MXFP8 GEMMs run on Blackwell tensor cores, sm_100+; this run's targets are `h200-torch` (H200)"
+    assert f"`nvfp4`, `mxfp8`: speed **needs a Blackwell GPU** ({reason})" in section
+    speed_rows = [line for line in section.splitlines()  # a row per graph, with the other variants' column
+                  if line.startswith("| gpt-neo-125m, `p256-c256` (") and "fp8-c_fc: [" in line]
+    assert len(speed_rows) == 2 and all(line.rstrip(" |").endswith("nvfp4: needs a Blackwell GPU; mxfp8: needs a Blackwell GPU")
+                              for line in speed_rows), speed_rows
+    variant_rows = [line for line in section.splitlines() if line.startswith("| h200-torch | gpt-neo-125m, `p256-c256` | `nvfp4` |")]
+    assert len(variant_rows) == 1 and variant_rows[0].count("needs a Blackwell GPU") == 2  # x decode, x prefill
+    # on a Blackwell target the variant is timed: no such words
+    for target in tables["targets"].values():
+        target["gpu"] = "b200"
+    assert "needs a Blackwell GPU" not in render.render_section(tables)
+
+
+def test_the_not_tried_item_reads_measured_here_only_where_the_variant_ran():
+    from quantstudy import artifacts
+
+    evidence = artifacts.read_json(GPT_NEO, "tables")
+    item = lambda section: next(x for x in section.splitlines() if x.startswith("- NVFP4, not tried by the write-up"))  # noqa: E731
+    assert item(render.render_section(evidence)).endswith("Not built or measured here either.")
+    not_run = item(render.render_section(with_microscaled(evidence, ran=False)))
+    assert not_run.endswith("Not built or measured here either.") and "Measured here" not in not_run
+    ran = with_microscaled(evidence)
+    line = item(render.render_section(ran))
+    kl = {r["variant"]: r["wikitext.kl_mean"] for r in ran["quality"]}
+    fp8 = [kl["fp8"] / kl["fp16"]]
+    assert "Not built or measured here either" not in line
+    assert (f"**Measured here** as `nvfp4`: next-token KL against PyTorch bf16, over the `fp16` engine's: "
+            f"{render.num(2 * fp8[0], 1)} times over 1 row (`fp8`: {render.num(fp8[0], 1)} times); speed needs a "
+            "Blackwell GPU (not timed on `h200-torch`).") in line
+    assert "**Measured here** as `mxfp8`" in line
+    # a variant whose every step failed is tried, and nothing of it is claimed
+    for table in ("builds", "quality"):
+        for r in ran[table]:
+            if r["variant"] == "nvfp4":
+                r.update(status="failed", error="Traceback ...\nValueError: nvfp4 scales blocks of 16 ...")
+    line = item(render.render_section(ran))
+    assert "**Tried here** as `nvfp4`, and nothing of it was measured; 2 failed steps (first: ValueError: nvfp4" in line
+
+
+def test_the_plot_lists_the_variants_whose_speed_needs_a_blackwell_gpu():
+    from quantstudy import artifacts, plots
+
+    pts, by_design = plots.points(with_microscaled(artifacts.read_json(GPT_NEO, "tables")))
+    assert not {p.variant for p in pts} & {"nvfp4", "mxfp8"}
+    assert by_design[f"quality only, speed needs a Blackwell GPU ({render.BLACKWELL_REASON})"] == ["h200-torch: nvfp4, mxfp8"]

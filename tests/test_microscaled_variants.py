@@ -1,13 +1,15 @@
-"""NVFP4 and MXFP8 variants (`microscaling` transform, `timed: blackwell`) through the build, export and
-evaluate steps, and the README: quality anywhere, speed on Blackwell targets only, a width the
+"""NVFP4 and MXFP8 variants (`microscaling` transform, `timed: blackwell`) through the study model, the
+build and evaluate steps, and the README: quality anywhere, speed on Blackwell targets only, a width the
 block does not divide a recorded failure, and the write-up's "not tried" item measured only where it ran."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
+import yaml
 
 from quantstudy import config as qc, quantization, render, steps
 
@@ -15,6 +17,40 @@ from helpers import CPU_TORCH, FNET_SETTING, ROOT, ident
 
 NVFP4 = {"precision": "float16", "transforms": [{"microscaling": {"format": "nvfp4"}}]}
 B200 = {"backend": "tensorrt", "device": "cuda", "gpu": "b200", "version": "11.4"}
+
+
+def questions_run(targets: dict | None = None) -> qc.Run:
+    """The embedded default with config/questions.yaml layered over it, as Snakemake merges the two
+    --configfile's (and `targets` added to the run's)."""
+    run = qc.deep_merge(yaml.safe_load((ROOT / "config/config.yaml").read_text()),
+                        yaml.safe_load((ROOT / "config/questions.yaml").read_text()))
+    run["targets"].update(targets or {})
+    return qc.load_run(run, against_code=False)
+
+
+def test_a_microscaled_variant_reads_the_amax_and_is_evaluated_not_timed_off_blackwell():
+    run = questions_run()
+    for study in run.studies.values():
+        for v in ("nvfp4", "mxfp8"):
+            variant = study.variants[v]
+            assert variant.timed == "blackwell" and variant.precision == study.variants[study.candidate].precision
+            assert all(variant.needs_amax(study.setting(s)) for s in study.settings)
+        evaluated = {(t, v) for t, _, _, v in study.engines(run.targets, quality_only=True)}
+        timed = {(t, v) for t, _, _, v in study.engines(run.targets, timed_only=True)}
+        assert {("cpu-torch", "nvfp4"), ("cpu-torch", "mxfp8")} <= evaluated, study.name
+        assert not {v for _, v in timed} & {"nvfp4", "mxfp8"}, study.name
+        # kept off the ONNX target, whose graph has no block-scaled form
+        assert not {v for t, v in evaluated if t == "cpu-onnxruntime"} & {"nvfp4", "mxfp8"}
+        # and never built at a setting that nothing measures them at (speed only, `quality: false`)
+        assert all(study.settings[s].quality for _, _, s, v in study.builds(run.targets) if v in ("nvfp4", "mxfp8"))
+
+
+def test_a_blackwell_target_times_a_microscaled_variant_and_no_other_target_does():
+    run = questions_run({"b200-trt11.4": B200})
+    fnet = dataclasses.replace(run.studies["fnet"], targets={**run.studies["fnet"].targets, "b200-trt11.4": {}})
+    timed = {(t, v) for t, _, _, v in fnet.engines(run.targets, timed_only=True)}
+    assert ("b200-trt11.4", "nvfp4") in timed and ("b200-trt11.4", "mxfp8") in timed
+    assert ("cpu-torch", "nvfp4") not in timed and ("cpu-torch", "fp8") in timed
 
 
 @pytest.fixture(scope="module")

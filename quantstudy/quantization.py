@@ -266,14 +266,19 @@ class MicroscaledLinear(nn.Module):
     """activation and weight fake-quantized to a block-scaled format (`microscaled`), then a linear in the
     work precision: the quality of an NVFP4 or MXFP8 layer, on any device. The weight is quantized once
     here; the activation on every call, its NVFP4 per-tensor scale from the calibrated input amax (ModelOpt's
-    NVFP4_DEFAULT_CFG calibrates it by max). No real block-scaled GEMM runs: speed needs a Blackwell GPU."""
+    NVFP4_DEFAULT_CFG calibrates it by max). No real block-scaled GEMM runs: speed needs a Blackwell GPU.
+    Declared call sites as FP8Linear's: those in `unquantized_calls` run `work_precision` (linear_call)."""
 
     def __init__(self, weight_fp32: torch.Tensor, bias: torch.Tensor | None, fmt: str, input_amax: float,
-                 work_dtype: torch.dtype):
+                 work_dtype: torch.dtype, call_sites: Iterable[str] = (), unquantized_calls: Iterable[str] = ()):
         super().__init__()
         self.fmt, self.input_amax = fmt, float(input_amax)
         self.register_buffer("weight", microscaled(weight_fp32, fmt).to(work_dtype))
         self.bias = nn.Parameter(bias.detach().to(work_dtype)) if bias is not None else None
+        self.call_sites = tuple(call_sites)
+        self.unquantized_calls = frozenset(unquantized_calls)
+        self.work_precision = (WorkPrecisionLinear(weight_fp32.to(work_dtype), self.bias)
+                               if self.unquantized_calls else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq = microscaled(x, self.fmt, self.input_amax if self.fmt == "nvfp4" else None).to(x.dtype)
@@ -480,12 +485,20 @@ def _microscale(model: nn.Module, params: dict[str, Any], recipe: dict[str, Any]
     if uneven:  # raised, so that the build records it as this variant's failure
         raise ValueError(f"{fmt} scales blocks of {block} along a layer's input width, which these layers' widths "
                          f"are no multiple of: {', '.join(uneven)}")
+    # A layer's declared extra call sites (linear_call) are microscaled too, but for those the recipe (or the
+    # transform) keeps out, as for its FP8 layers.
+    excluded = set(params.get("exclude_calls", recipe.get("exclude_calls", [])))
+    unquantized = {}
     for name in layers:
         parent_name, _, child = name.rpartition(".")
         parent, old = model.get_submodule(parent_name), model.get_submodule(name)
+        sites = tuple(getattr(old, "call_sites", ()))
+        if excluded & set(sites):
+            unquantized[name] = sorted(excluded & set(sites))
         setattr(parent, child, MicroscaledLinear(old.weight.detach().float(), old.bias, fmt,
-                                                 amax_doc["amax"][name]["input_amax"], work))
-    return {"microscaled_layers": sorted(layers), "microscaling_format": fmt}
+                                                 amax_doc["amax"][name]["input_amax"], work, sites, excluded & set(sites)))
+    return {"microscaled_layers": sorted(layers), "microscaling_format": fmt,
+            **({"unquantized_calls": unquantized} if unquantized else {})}
 
 
 def refuse_block_scaled_engine(spec: dict[str, Any], target: Target) -> None:

@@ -119,6 +119,47 @@ def test_a_width_the_block_does_not_divide_is_the_variants_recorded_failure(tiny
     assert record["status"] == "failed"
 
 
+def test_a_layer_called_at_a_declared_site_is_microscaled_there_unless_the_recipe_keeps_the_site_out(tmp_path):
+    """DeBERTa's query_proj and key_proj also project the relative position embeddings (call site
+    `relative_positions`, which its recipe's exclude_calls keeps in fp16): the nvfp4 variant runs those
+    products on the work-precision weight, bit for bit fp16's, and its hidden rows in NVFP4; with
+    `exclude_calls: []` the positional products are microscaled as well."""
+    import torch
+
+    from quantstudy import families
+    from quantstudy.families.base import Setting
+    from quantstudy.families.deberta_v2 import POSITIONS
+
+    from helpers import observed_amax, tiny_checkpoint
+
+    fam, setting = families.get("deberta_v2"), Setting("b1-w24", 1, {"window": 24})
+    ckpt = tiny_checkpoint(fam, "tiny-deberta-v3-base", tmp_path)
+    inputs = fam.example_inputs(ckpt, "main", setting)
+    amax = observed_amax(fam.module(ckpt, "main", setting), [inputs])
+    recipe = {"quantize": ["deberta.encoder.layer.*.attention.self.*_proj"], "dequantize_dtype": "float16",
+              "exclude_calls": [POSITIONS]}
+    calls: dict[str, list] = {}
+
+    def run(spec, kind):
+        model, summary = quantization.apply_variant(fam.module(ckpt, "main", setting), spec, recipe, amax)
+        for name, m in model.named_modules():
+            if name.endswith(("layer.0.attention.self.query_proj", "layer.0.attention.self.query_proj.work_precision")):
+                m.register_forward_hook(lambda m, i, o, name=name: calls.setdefault(f"{kind} {name}", []).append(o))
+        with torch.no_grad():
+            model(**inputs)
+        return summary
+
+    run({"precision": "float16", "transforms": []}, "fp16")
+    summary = run(NVFP4, "nvfp4")
+    run({"precision": "float16", "transforms": [{"microscaling": {"format": "nvfp4", "exclude_calls": []}}]}, "every")
+    q = "deberta.encoder.layer.0.attention.self.query_proj"
+    assert summary["unquantized_calls"][q] == [POSITIONS]
+    hidden, positional = calls[f"fp16 {q}"]
+    assert torch.equal(calls[f"nvfp4 {q}.work_precision"][0], positional)
+    assert not torch.allclose(calls[f"nvfp4 {q}"][0], hidden, atol=1e-3)
+    assert not torch.allclose(calls[f"every {q}"][1], positional, atol=1e-3)
+
+
 def test_a_blackwell_target_records_that_no_backend_builds_a_block_scaled_engine():
     b200 = qc.Target("b200-trt11.4", **B200)
     with pytest.raises(NotImplementedError, match="no backend implements an NVFP4 engine yet: target b200-trt11.4"):

@@ -218,10 +218,10 @@ BLACKWELL_REASON = "NVFP4 / MXFP8 GEMMs run on Blackwell tensor cores, sm_100+"
 
 
 def not_timed_here(t: dict[str, Any]) -> dict[str, list[str]]:
-    """{target: the variants it does not time because they are timed on Blackwell targets only}, for each
-    of the run's targets (tables.json's `targets`) that has some."""
-    variants = t["spec"]["variants"]
-    found = {target: [v for v, spec in variants.items() if spec.get("timed") == "blackwell"
+    """{target: the variants built on it that it does not time because they are timed on Blackwell targets
+    only}, for each of the run's targets (tables.json's `targets`) that has some."""
+    variants, built = t["spec"]["variants"], {(b["target"], b["variant"]) for b in t["builds"]}
+    found = {target: [v for v, spec in variants.items() if spec.get("timed") == "blackwell" and (target, v) in built
                       and not timed_on(spec["timed"], tg.get("gpu", "cpu"))] for target, tg in t["targets"].items()}
     return {target: vs for target, vs in found.items() if vs}
 

@@ -183,11 +183,15 @@ def with_microscaled(tables: dict, ran: bool = True) -> dict:
                                          "transforms": [{"microscaling": {"format": v}}]}
     if ran:
         for v, factor in (("nvfp4", 2.0), ("mxfp8", 1.1)):
-            for table in ("builds", "quality"):
+            for table in ("builds", "quality", "records"):
                 for row in [r for r in tables[table] if r["variant"] == "fp8"]:
                     new = {**row, "variant": v, "source": row["source"].replace("/fp8/", f"/{v}/")}
                     if table == "quality":  # the evidence's rows predate the `... / fp16` column
                         new["wikitext.kl_mean"] = row["wikitext.kl_mean"] * factor
+                    if table == "builds":
+                        new.update(fp8_layers=0, microscaled_layers=48, microscaling_format=v)
+                    if table == "records":
+                        new.update(fp8_layers=0)  # its other linear layers are the fp8 build's
                     tables[table].append(new)
     return tables
 
@@ -205,6 +209,9 @@ def test_the_readme_says_a_microscaled_variants_speed_needs_a_blackwell_gpu_and_
                               for line in speed_rows), speed_rows
     variant_rows = [line for line in section.splitlines() if line.startswith("| h200-torch | gpt-neo-125m, `p256-c256` | `nvfp4` |")]
     assert len(variant_rows) == 1 and variant_rows[0].count("needs a Blackwell GPU") == 2  # x decode, x prefill
+    # the recipe fold's as-built table counts its microscaled layers
+    built = [line for line in section.splitlines() if line.startswith("| h200-torch | gpt-neo-125m, `p256-c256` (decode) | nvfp4 |")]
+    assert len(built) == 1 and "and 48 NVFP4 fake-quant |" in built[0], built
     # nor where the variant is not built (a target that leaves it out, like the embedded default's ONNX one)
     left_out = copy.deepcopy(tables)
     left_out["builds"] = [b for b in left_out["builds"] if b["variant"] != "mxfp8"]
@@ -247,3 +254,13 @@ def test_the_plot_lists_the_variants_whose_speed_needs_a_blackwell_gpu():
     pts, by_design = plots.points(with_microscaled(artifacts.read_json(GPT_NEO, "tables")))
     assert not {p.variant for p in pts} & {"nvfp4", "mxfp8"}
     assert by_design[f"quality only, speed needs a Blackwell GPU ({render.BLACKWELL_REASON})"] == ["h200-torch: nvfp4, mxfp8"]
+
+
+def test_a_builds_row_counts_its_microscaled_layers_only_where_it_has_some():
+    from quantstudy import aggregate
+
+    doc = {"engine_bytes": 10, "fp8_layers": [], "precision": "float16", "graphs": {"main": {"engine_bytes": 10}}}
+    row, = aggregate._build({**doc, "microscaled_layers": ["a", "b"], "microscaling_format": "mxfp8"})
+    assert row["microscaled_layers"] == 2 and row["microscaling_format"] == "mxfp8" and row["fp8_layers"] == 0
+    row, = aggregate._build(doc)  # the main job's tables keep their columns
+    assert "microscaled_layers" not in row

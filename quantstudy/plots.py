@@ -215,8 +215,10 @@ def figure(tables: dict[str, Any]):
     targets = [t for t in tables["targets"] if any(p.target == t for p in pts)] or list(tables["targets"])[:1]
     several = len({p.graph for p in pts if p.graph}) > 1
     candidate = spec["candidate"]
-    colour = variant_colours(list(spec["variants"]))
     variants = [v for v in spec["variants"] if any(p.variant == v for p in pts)]
+    # Every timed variant, drawn or not, as before (a study's colours stay put when a row fails), and any other
+    # that is drawn: a quality-only variant (calibration methods, NVFP4 off Blackwell) takes none.
+    colour = variant_colours([v for v, s in spec["variants"].items() if v in variants or s.get("timed", True) is True])
     series = {_series_label(p, several): p.setting for p in pts}  # each series' setting
     marker = {s: MARKERS[i % len(MARKERS)] for i, s in enumerate(series)}
     x_lo, x_hi = _x_limits(pts, [scond["threshold"]] if scond else [])

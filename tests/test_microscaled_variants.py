@@ -264,3 +264,16 @@ def test_a_builds_row_counts_its_microscaled_layers_only_where_it_has_some():
     assert row["microscaled_layers"] == 2 and row["microscaling_format"] == "mxfp8" and row["fp8_layers"] == 0
     row, = aggregate._build(doc)  # the main job's tables keep their columns
     assert "microscaled_layers" not in row
+
+
+def test_a_plot_colours_the_variants_it_draws_however_many_quality_only_ones_the_study_has():
+    """The questions overlays give GPT-Neo 20 variants besides fp16 and fp8, more than the plot's 14 other
+    colours; the quality-only ones (calibration methods, nvfp4, mxfp8) are not drawn and take none."""
+    from quantstudy import artifacts, plots
+
+    tables = with_microscaled(artifacts.read_json(GPT_NEO, "tables"))
+    for i in range(12):
+        tables["spec"]["variants"][f"fp8-method-{i}"] = {"precision": "float16", "timed": False,
+                                                         "transforms": [{"fp8": {}}]}
+    assert len(tables["spec"]["variants"]) - 2 > len(plots.OTHER_COLOURS)
+    plots.figure(tables)

@@ -128,7 +128,7 @@ def test_a_layer_called_at_a_declared_site_is_microscaled_there_unless_the_recip
 
     from quantstudy import families
     from quantstudy.families.base import Setting
-    from quantstudy.families.deberta_v2 import POSITIONS
+    from quantstudy.families.deberta_v2_model import POSITIONS
 
     from helpers import observed_amax, tiny_checkpoint
 

@@ -207,8 +207,11 @@ def across_evaluations(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _build(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
     # engine_bytes: every graph's engine together; engine_bytes.<graph>: each one's (a plan per engine).
+    # microscaled_layers: NVFP4 / MXFP8 layers (`microscaling`), only where a build has some.
+    micro = {"microscaled_layers": len(doc.get("microscaled_layers") or []), "microscaling_format": doc.get("microscaling_format")}
     yield {"engine_bytes": doc.get("engine_bytes"), "fp8_layers": len(doc.get("fp8_layers") or []),
            "precision": doc.get("precision"), "dequantize_dtype": doc.get("dequantize_dtype"),
+           **(micro if doc.get("microscaled_layers") else {}),
            **{f"engine_bytes.{g}": e.get("engine_bytes") for g, e in (doc.get("graphs") or {}).items()}}
 
 

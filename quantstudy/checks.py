@@ -134,8 +134,15 @@ def study_problems(doc: dict[str, Any], models: dict[str, Model], settings: dict
     # Speed is measured against the baseline and decided on the candidate: neither can be quality-only.
     for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),
                        *[(f"baseline.by_setting.{s}", n) for s, n in doc["baseline"].get("by_setting", {}).items()]]:
-        if name in variants and not variants[name].timed:
-            problems.append(f"{role} names {name!r}, a quality-only variant (timed: false): it must be timed")
+        if name in variants and variants[name].timed is not True:
+            kind = ("a quality-only variant (timed: false)" if variants[name].timed is False
+                    else "a variant timed on Blackwell targets only (timed: blackwell)")
+            problems.append(f"{role} names {name!r}, {kind}: it must be timed")
+    # A block-scaled variant timed off Blackwell would time fake-quant, not NVFP4 / MXFP8 GEMMs.
+    problems += [f"variant {v.name!r} is microscaled (NVFP4 / MXFP8), whose GEMMs run on Blackwell tensor cores "
+                 "(sm_100+) only: give it `timed: blackwell` (timed on b200 / b300 targets, quality-only on the "
+                 "others) or `timed: false`" for v in variants.values()
+                 if v.timed is True and any(t == "microscaling" for t, _ in v.transforms)]
     for role, name in [("candidate", doc["candidate"]), ("baseline.default", doc["baseline"]["default"]),
                        *[(f"baseline.by_setting.{s}", n) for s, n in doc["baseline"].get("by_setting", {}).items()],
                        *[("quality_against", n) for n in doc["quality_against"]],
@@ -266,6 +273,9 @@ def problems_against_code(doc: dict[str, Any], models: dict[str, Model], variant
                                  ("activation_scales", quantization.ACTIVATION_SCALES)):
                 if key in params and params[key] not in allowed:
                     problems.append(f"variant {v.name!r}: fp8 {key} {params[key]!r} is not one of {', '.join(allowed)}")
+    problems += [f"variant {v.name!r}: microscaling format {params.get('format')!r} is not one of "
+                 f"{', '.join(quantization.MICROSCALING_BLOCK)}" for v in variants.values() for t, params in v.transforms
+                 if t == "microscaling" and params.get("format") not in quantization.MICROSCALING_BLOCK]
     problems += [p for s in settings.values() for p in family.check_setting(s)]
     problems += _metrics_and_seeds_problems(doc, family)
     declared = family.quality_columns(list(doc["evaluation_samples"]), list(doc["quality_against"]))
@@ -281,8 +291,8 @@ def problems_against_code(doc: dict[str, Any], models: dict[str, Model], variant
             problems += _engine_fit(family, settings[name], settings[engine], model)
     # Each pattern with where it is written: a misspelt one would build another variant than meant.
     patterns = [("recipe pattern", p) for p in doc["recipe"]["quantize"]]
-    patterns += [(f"variant {v.name!r}: fp8 {k} pattern", p) for v in variants.values() for t, params in v.transforms
-                 if t == "fp8" for k in ("include", "add", "exclude") for p in params.get(k, [])]
+    patterns += [(f"variant {v.name!r}: {t} {k} pattern", p) for v in variants.values() for t, params in v.transforms
+                 if t in ("fp8", "microscaling") for k in ("include", "add", "exclude") for p in params.get(k, [])]
     for model in models.values():
         layers = family.quantizable_layers(model.architecture)
         for where, pattern in patterns:

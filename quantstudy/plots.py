@@ -32,7 +32,7 @@ from quantstudy.artifacts import atomic_write, read_json
 from quantstudy.config import main_quality_condition
 from quantstudy.families.base import measured_against
 from quantstudy import paths
-from quantstudy.render import by_graph, condition_units, setting_words
+from quantstudy.render import BLACKWELL_REASON, by_graph, condition_units, not_timed_here, setting_words
 
 log = logging.getLogger("quantstudy")
 
@@ -110,7 +110,8 @@ def points(tables: dict[str, Any]) -> tuple[list[Point], dict[str, list[str]]]:
     quality run (`quality: false`), one with quality rows and no speed rows a model that is not timed
     (`timing: false`): by design, so listed, not plotted; so is the engine the quality column is
     measured against (`quality_against`, `relative_to`), and fp32, the precision of the reference
-    every quality column is measured against, not a candidate. Failures are plotted."""
+    every quality column is measured against, not a candidate; and a variant timed on Blackwell targets only
+    (`timed: blackwell`), which has quality rows and no speed rows on the others. Failures are plotted."""
     qcond = main_quality_condition(tables["spec"]["decision"])
     column, over = qcond["column"], qcond.get("relative_to")
     reference = over or measured_against(column, tables["spec"].get("quality_against") or [])
@@ -143,8 +144,13 @@ def points(tables: dict[str, Any]) -> tuple[list[Point], dict[str, list[str]]]:
             out.append(Point(target, model, setting, graph, variant, x, _finite(s.get("x_min")) if has_x else None,
                              _finite(s.get("x_max")) if has_x else None, y, problem))
     quality_only = sorted({f"{t}: {m}, {s}" for t, m, s, _ in quality if (t, m, s) not in timed})
+    untimed = not_timed_here(tables)
+    evaluated = {(t, v) for t, _, _, v in quality}
+    blackwell_only = [f"{t}: {', '.join(v for v in vs if (t, v) in evaluated)}" for t, vs in untimed.items()
+                      if any((t, v) in evaluated for v in vs)]
     return out, {"speed only (no quality run at this setting)": sorted(set(speed_only)),
                  "quality only (not timed)": quality_only,
+                 f"quality only, speed needs a Blackwell GPU ({BLACKWELL_REASON})": blackwell_only,
                  "the engine the y axis is measured against, so not on it": sorted(set(the_reference)),
                  "fp32, the reference's precision (not a candidate), not plotted": sorted(set(full_precision))}
 
@@ -209,8 +215,10 @@ def figure(tables: dict[str, Any]):
     targets = [t for t in tables["targets"] if any(p.target == t for p in pts)] or list(tables["targets"])[:1]
     several = len({p.graph for p in pts if p.graph}) > 1
     candidate = spec["candidate"]
-    colour = variant_colours(list(spec["variants"]))
     variants = [v for v in spec["variants"] if any(p.variant == v for p in pts)]
+    # Every timed variant, drawn or not, as before (a study's colours stay put when a row fails), and any other
+    # that is drawn: a quality-only variant (calibration methods, NVFP4 off Blackwell) takes none.
+    colour = variant_colours([v for v, s in spec["variants"].items() if v in variants or s.get("timed", True) is True])
     series = {_series_label(p, several): p.setting for p in pts}  # each series' setting
     marker = {s: MARKERS[i % len(MARKERS)] for i, s in enumerate(series)}
     x_lo, x_hi = _x_limits(pts, [scond["threshold"]] if scond else [])

@@ -31,6 +31,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from quantstudy.kernel_kinds import FP8_REGION  # the region an FP8 layer runs in, as profiles read it
+from quantstudy.study import BLACKWELL, Target
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8 = torch.float8_e4m3fn
@@ -265,14 +266,19 @@ class MicroscaledLinear(nn.Module):
     """activation and weight fake-quantized to a block-scaled format (`microscaled`), then a linear in the
     work precision: the quality of an NVFP4 or MXFP8 layer, on any device. The weight is quantized once
     here; the activation on every call, its NVFP4 per-tensor scale from the calibrated input amax (ModelOpt's
-    NVFP4_DEFAULT_CFG calibrates it by max). No real block-scaled GEMM runs: speed needs a Blackwell GPU."""
+    NVFP4_DEFAULT_CFG calibrates it by max). No real block-scaled GEMM runs: speed needs a Blackwell GPU.
+    Declared call sites as FP8Linear's: those in `unquantized_calls` run `work_precision` (linear_call)."""
 
     def __init__(self, weight_fp32: torch.Tensor, bias: torch.Tensor | None, fmt: str, input_amax: float,
-                 work_dtype: torch.dtype):
+                 work_dtype: torch.dtype, call_sites: Iterable[str] = (), unquantized_calls: Iterable[str] = ()):
         super().__init__()
         self.fmt, self.input_amax = fmt, float(input_amax)
         self.register_buffer("weight", microscaled(weight_fp32, fmt).to(work_dtype))
         self.bias = nn.Parameter(bias.detach().to(work_dtype)) if bias is not None else None
+        self.call_sites = tuple(call_sites)
+        self.unquantized_calls = frozenset(unquantized_calls)
+        self.work_precision = (WorkPrecisionLinear(weight_fp32.to(work_dtype), self.bias)
+                               if self.unquantized_calls else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq = microscaled(x, self.fmt, self.input_amax if self.fmt == "nvfp4" else None).to(x.dtype)
@@ -473,12 +479,38 @@ def _microscale(model: nn.Module, params: dict[str, Any], recipe: dict[str, Any]
     layers = fp8_layers(linear_names(model), recipe, params, amax_doc["outliers"]["layers"])
     if not layers:
         raise ValueError("the microscaling transform selects no layer")
+    block = MICROSCALING_BLOCK.get(fmt)
+    uneven = [f"{n} ({model.get_submodule(n).in_features})" for n in layers
+              if block and model.get_submodule(n).in_features % block]
+    if uneven:  # raised, so that the build records it as this variant's failure
+        raise ValueError(f"{fmt} scales blocks of {block} along a layer's input width, which these layers' widths "
+                         f"are no multiple of: {', '.join(uneven)}")
+    # A layer's declared extra call sites (linear_call) are microscaled too, but for those the recipe (or the
+    # transform) keeps out, as for its FP8 layers.
+    excluded = set(params.get("exclude_calls", recipe.get("exclude_calls", [])))
+    unquantized = {}
     for name in layers:
         parent_name, _, child = name.rpartition(".")
         parent, old = model.get_submodule(parent_name), model.get_submodule(name)
+        sites = tuple(getattr(old, "call_sites", ()))
+        if excluded & set(sites):
+            unquantized[name] = sorted(excluded & set(sites))
         setattr(parent, child, MicroscaledLinear(old.weight.detach().float(), old.bias, fmt,
-                                                 amax_doc["amax"][name]["input_amax"], work))
-    return {"microscaled_layers": sorted(layers), "microscaling_format": fmt}
+                                                 amax_doc["amax"][name]["input_amax"], work, sites, excluded & set(sites)))
+    return {"microscaled_layers": sorted(layers), "microscaling_format": fmt,
+            **({"unquantized_calls": unquantized} if unquantized else {})}
+
+
+def refuse_block_scaled_engine(spec: dict[str, Any], target: Target) -> None:
+    """A microscaled variant on a Blackwell target, where it is timed (`timed: blackwell`): no backend builds
+    an NVFP4 or MXFP8 engine yet, and MicroscaledLinear's fake-quant would be timed as one. Raised, so that
+    the build records it; elsewhere the variant builds as fake-quant, for its quality."""
+    formats = [next(iter(t.values())).get("format") for t in spec["transforms"] if "microscaling" in t]
+    if formats and target.gpu.lower() in BLACKWELL:
+        raise NotImplementedError(
+            f"no backend implements an {' / '.join(f.upper() for f in formats)} engine yet: target {target.name} "
+            f"({target.gpu}, {target.backend}) would time ModelOpt's fake-quant (block-scaled round trips and a "
+            f"{spec['precision']} GEMM), not the block-scaled tensor-core GEMMs a Blackwell GPU runs")
 
 
 def apply_variant(model: nn.Module, spec: dict[str, Any], recipe: dict[str, Any], amax_doc: dict[str, Any] | None,

@@ -26,6 +26,7 @@ from quantstudy import bound, paths
 from quantstudy.artifacts import DamagedArtifact, atomic_write, devices, read_json
 from quantstudy.compare import VERDICT_LEVEL
 from quantstudy.config import main_quality_condition, shape_of
+from quantstudy.study import timed_on
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 PLOT = paths.name_of(paths.PLOT)  # beside the README: the plot rule writes it, the section links it
@@ -212,6 +213,63 @@ def value_range(values) -> dict | None:
 
 # --- the view: what the templates show, computed from the tables -----------------------------
 
+# Why a variant timed on Blackwell targets only (`timed: blackwell`) has no speed on the others.
+BLACKWELL_REASON = "NVFP4 / MXFP8 GEMMs run on Blackwell tensor cores, sm_100+"
+
+
+def not_timed_here(t: dict[str, Any]) -> dict[str, list[str]]:
+    """{target: the variants built on it that it does not time because they are timed on Blackwell targets
+    only}, for each of the run's targets (tables.json's `targets`) that has some."""
+    variants, built = t["spec"]["variants"], {(b["target"], b["variant"]) for b in t["builds"]}
+    found = {target: [v for v, spec in variants.items() if spec.get("timed") == "blackwell" and (target, v) in built
+                      and not timed_on(spec["timed"], tg.get("gpu", "cpu"))] for target, tg in t["targets"].items()}
+    return {target: vs for target, vs in found.items() if vs}
+
+
+def blackwell_reason(t: dict[str, Any]) -> str:
+    """The reason, with the run's targets and their devices: `... sm_100+; this run's targets are `cpu-torch` (CPU)`."""
+    named = [f"`{name}` ({'CPU' if tg.get('device') == 'cpu' else tg.get('gpu', '?').upper()})"
+             for name, tg in t["targets"].items()]
+    return f"{BLACKWELL_REASON}; this run's targets are {', '.join(named)}"
+
+
+def tried(t: dict[str, Any], variant: str) -> dict[str, Any] | None:
+    """What this run measured of `variant` (a thing a write-up did not try), for its "not tried" item: None
+    where the run has no build of it; else its main quality column's range over its ok rows beside the
+    candidate's, its x where it was timed, and its failed rows with the first one's error."""
+    builds = [b for b in t["builds"] if b["variant"] == variant]
+    if not builds:
+        return None
+    c = main_quality_condition(t["spec"]["decision"])
+    column, over = c["column"], c.get("relative_to")
+    units = condition_units(c)
+    fmt, unit = UNITS.get("percent" if units == "percent_of_samples" else units, UNITS["percent"])
+    ok = lambda rows: [r for r in rows if r["status"] == "ok"]  # noqa: E731
+    theirs = {(r["target"], r["model"], r["setting"]): r for r in ok(t["quality"]) if r["variant"] == over}
+
+    def value(r: dict[str, Any]) -> float | None:
+        """The row's main quality value; relative: its own `<column> / <over>`, or (tables from before
+        aggregate kept that column) divided here by `over`'s row on the same key."""
+        if not over:
+            return r.get(column)
+        if r.get(f"{column} / {over}") is not None:
+            return r[f"{column} / {over}"]
+        other = theirs.get((r["target"], r["model"], r["setting"]), {}).get(column)
+        return r[column] / other if other and r.get(column) is not None else None
+
+    mine = [r for r in t["quality"] if r["variant"] == variant]
+    speed = [r for r in t["speed"] if r["variant"] == variant]
+    failed = [r for r in [*builds, *mine, *speed] if r["status"] not in ("ok", "damaged")]
+    quality = value_range(map(value, ok(mine)))
+    name = c["name"].removesuffix(" (every row)") + (f", over the `{over}` engine's" if over else "")
+    return {"variant": variant, "rows": len(ok(mine)), "quality_name": name,
+            "quality": span(quality, fmt, unit) if quality else None,
+            "candidate": span(value_range(value(r) for r in ok(t["quality"]) if r["variant"] == t["spec"]["candidate"]),
+                              fmt, unit),
+            "x": span(value_range(r.get("x") for r in ok(speed)), times, "x") if ok(speed) else None,
+            "not_timed": [target for target, vs in not_timed_here(t).items() if variant in vs],
+            "failed": len(failed), "error": (failed[0].get("error") or failed[0]["status"]).strip().splitlines()[-1] if failed else None}
+
 def view(t: dict[str, Any], docs: str = "../../docs/reading-a-study.md", repo: str = "../..",
          kept=lambda source: True, read=None) -> dict[str, Any]:
     """What the templates show, computed from tables.json alone. Nothing here knows a family:
@@ -222,11 +280,14 @@ def view(t: dict[str, Any], docs: str = "../../docs/reading-a-study.md", repo: s
     spec, cand, baselines = t["spec"], t["spec"]["candidate"], t["baselines"]
     settings = spec["settings"]
     speed_rows = []
+    untimed = not_timed_here(t)
     for (target, model, setting, graph), variants in by_graph(t["speed"]).items():
         c = variants.get(cand, {})
         speed_rows.append({"target": target, "gpu": c.get("gpu") or next(iter(variants.values()))["gpu"],
                            "model": model, "setting": setting, "graph": graph, "batch": settings[setting]["batch"],
-                           "baseline": c.get("baseline"), "variants": variants, "candidate": c})
+                           "baseline": c.get("baseline"), "variants": variants, "candidate": c,
+                           # its variants timed on Blackwell targets only, where this target is none
+                           "needs_blackwell": untimed.get(target, [])})
     b1 = [r["candidate"].get("x") for r in speed_rows if r["batch"] == 1]
     # Timing jobs per variant; a tables.json written before repeats had one.
     repeats = spec["timing"].get("repeats", 1)
@@ -303,7 +364,10 @@ def view(t: dict[str, Any], docs: str = "../../docs/reading-a-study.md", repo: s
         "show_fp32": any("fp32" in r["variants"] for r in speed_rows),
         "show_bound": "bound" in t and any(r["candidate"].get("bound") is not None or r["candidate"].get("bound_note")
                                            for r in speed_rows),
-        "other_variants": sorted({v for r in speed_rows for v in r["variants"]} - {"fp32", cand, *baselines.values()}),
+        "other_variants": sorted({v for r in speed_rows for v in [*r["variants"], *r["needs_blackwell"]]}
+                                 - {"fp32", cand, *baselines.values()}),
+        "needs_blackwell": list(dict.fromkeys(v for vs in untimed.values() for v in vs)), "not_timed": untimed,
+        "blackwell_reason": blackwell_reason(t), "tried": functools.partial(tried, t),
         "any_onnx": any(r.get("opset") is not None for r in t.get("records") or []),
         "chain_example": next((times(r["candidate"]["x"]) for r in speed_rows if r["candidate"].get("status") == "ok"),
                               "<number>"),

@@ -435,7 +435,7 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
     variant's exported ONNX (`export_json`). The engine is built for every setting whose jobs will
     open it (`serves`: this setting, then those whose `engine:` names it), and for no other shape.
     """
-    from quantstudy import backends, record
+    from quantstudy import backends, quantization, record
 
     started = now()
     out_measurements = str(paths.beside(out, paths.MEASUREMENTS))
@@ -447,6 +447,7 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
 
     def measure() -> dict[str, Any]:
         job_settings()
+        quantization.refuse_block_scaled_engine(spec, tgt)
         amax_doc = read_amax(amax_json)
         backend = backends.get(tgt.backend)
         st, engines, ckpt = _setting(setting), {}, _snapshot(checkpoint_json)
@@ -474,8 +475,9 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
             if "compiled" in engine:
                 engine["compiled_sha256"] = artifacts.sha256_file(engine["compiled"])
         calibration = None
-        if amax_doc:
-            calibration = {"amax": {n: amax_doc["amax"][n] for n in summary["fp8_layers"]},
+        if amax_doc:  # what opening the engine rebuilds its skeleton from: its FP8 and microscaled layers' amax
+            calibration = {"amax": {n: amax_doc["amax"][n]
+                                    for n in [*summary["fp8_layers"], *summary.get("microscaled_layers", [])]},
                            "outliers": amax_doc["outliers"]}
         engine_bytes = sum(e["engine_bytes"] for e in engines.values())
         log.info("built %s: %d FP8 layers, %d bytes", ident, len(summary["fp8_layers"]), engine_bytes)

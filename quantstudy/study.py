@@ -163,15 +163,30 @@ class Timing:
         return rounds if self.min_round_ms is None else {**rounds, "min_round_ms": self.min_round_ms}
 
 
+# The GPUs (a target's `gpu:`) whose tensor cores run NVFP4 and MXFP8 GEMMs (Blackwell, sm_100+): the only
+# targets a block-scaled variant (`timed: blackwell`) is timed on.
+BLACKWELL = ("b200", "b300")
+
+
+def timed_on(timed: bool | str, gpu: str) -> bool:
+    """Whether a variant whose config says `timed` is timed on a target with this `gpu:`."""
+    return timed is True or (timed == "blackwell" and gpu.lower() in BLACKWELL)
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
     precision: str
     transforms: tuple[tuple[str, dict[str, Any]], ...] = ()
-    # False: a quality-only variant (built and evaluated; no time, profile or gemm job measures it).
-    timed: bool = True
+    # False: a quality-only variant (built and evaluated; no time, profile or gemm job measures it);
+    # "blackwell": timed on Blackwell targets (BLACKWELL) only, quality-only on every other.
+    timed: bool | str = True
     # Its own calibration method (`calibration: {method: mse}`); None: the recipe's.
     calibration: dict[str, Any] | None = None
+
+    def timed_on(self, gpu: str) -> bool:
+        """Whether a target with this `gpu:` times the variant."""
+        return timed_on(self.timed, gpu)
 
     @property
     def calibration_label(self) -> str:
@@ -191,6 +206,10 @@ class Variant:
 
     def has_fp8(self, setting: Setting) -> bool:
         return any(name == "fp8" for name, _ in self.transforms_at(setting))
+
+    def needs_amax(self, setting: Setting) -> bool:
+        """Whether its build reads the amax file: FP8 layers' scales, or NVFP4's per-tensor activation scale."""
+        return any(name in ("fp8", "microscaling") for name, _ in self.transforms_at(setting))
 
 
 def is_card(gpu: str, name: str) -> bool:
@@ -294,15 +313,19 @@ class Study:
 
     def engines(self, run_targets, quality_only: bool = False, timed_only: bool = False):
         """(target, model, setting, variant) of every engine the study measures on the run's targets
-        (`quality_only`: that it evaluates; `timed_only`: that it times and profiles)."""
+        (`quality_only`: that it evaluates; `timed_only`: that it times and profiles). `run_targets`: the
+        run's {name: Target}, or target names (then each counts as no Blackwell GPU)."""
         for t in run_targets:
             if self.targets and t not in self.targets:
                 continue
             only = self.targets.get(t) or {}
+            gpu = getattr(run_targets[t], "gpu", "cpu") if isinstance(run_targets, dict) else "cpu"
             for m, s in self.model_settings(quality_only, timed_only):
                 if s in only.get("settings", [s]):
                     for v in self.variants:
-                        if v in only.get("variants", [v]) and (self.variants[v].timed or not timed_only):
+                        timed = self.variants[v].timed_on(gpu)
+                        # not an engine of a variant this target does not time at a setting without quality
+                        if v in only.get("variants", [v]) and (timed or not timed_only) and (timed or self.settings[s].quality):
                             yield t, m, s, v
 
     def engine_setting(self, setting: str) -> str:

@@ -111,11 +111,11 @@ def amax_json(study_name, model, setting, calibration=""):
 
 
 def amax_input(w):
-    """The variant's amax file (its setting's calibration setting, by its calibration method), only if it
-    has FP8 layers."""
+    """The variant's amax file (its setting's calibration setting, by its calibration method), only if its
+    build reads one (FP8 or NVFP4 layers)."""
     s = study(w)
     variant = s.variants[w.variant]
-    if variant.has_fp8(s.setting(w.setting)):
+    if variant.needs_amax(s.setting(w.setting)):
         return {"amax": amax_json(w.study, w.model, s.calibration_setting(w.model, w.setting), variant.calibration_label)}
     return {}
 

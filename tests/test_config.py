@@ -126,7 +126,7 @@ def test_variant_with_unknown_transform(tmp_path):
     doc = study_doc()
     doc["variants"]["fp8-smooth"] = {"precision": "float16", "transforms": [{"smoothquant": {}}]}
     with pytest.raises(qc.ConfigError, match=r"variant 'fp8-smooth' names unknown transform 'smoothquant'; "
-                                             r"known transforms: fp32_dequantize, fp8, hidden_scaling"):
+                                             r"known transforms: fp32_dequantize, fp8, fp8_hidden_dft, hidden_scaling, "):
         load(doc, tmp_path)
 
 

@@ -135,6 +135,7 @@ def test_the_dag_builds_a_shared_engine_once_and_times_it_at_both_sizes(tmp_path
                         "fp8": {"precision": "float16", "transforms": [{"fp8": {}}]}}}
     doc["recipe"] = {**doc["recipe"], "quantize": CASES["deformable_detr"].quantize}
     doc.pop("published")  # FNet's write-up numbers: this study has none
+    doc.pop("revisit")  # FNet's "revisit when" names FNet's conditions
     # FNet's speed condition, and a quality condition on a column a detector's evaluation writes
     doc["decision"] = {"conditions": [
         next(c for c in doc["decision"]["conditions"] if c["table"] == "speed"),

@@ -698,9 +698,15 @@ def aggregate(inputs: dict[str, list[str]], study: dict[str, Any], baselines: di
         "aggregate", {f"{k}[{i}]": p for k, v in inputs.items() for i, p in enumerate(v)}, params, started)})
 
 
+# The lists of files rule aggregate gives (rules/report.smk); an empty one leaves no trace in provenance.
+INPUT_KINDS = ("builds", "records", "timings", "kernels", "gemms", "qualities", "references", "amax", "checkpoints",
+               "published", "samples")
+
+
 def inputs_of(tables_doc: dict[str, Any]) -> dict[str, list[str]]:
-    """The `inputs` aggregate was given, from tables.json's provenance ({"timings[0]": ...} back to lists)."""
-    inputs: dict[str, list[str]] = {}
+    """The `inputs` aggregate was given, from tables.json's provenance ({"timings[0]": ...} back to lists;
+    a kind it had none of, such as a quality-only run's timings, as an empty list)."""
+    inputs: dict[str, list[str]] = {kind: [] for kind in INPUT_KINDS}
     named = tables_doc["provenance"]["inputs"]
     for name in sorted(named, key=lambda n: (n.split("[")[0], int(n.split("[")[1].rstrip("]")))):
         inputs.setdefault(name.split("[")[0], []).append(named[name]["path"])
@@ -742,6 +748,8 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
     checkpoints = [c | {"source": p} for p, c in _readable(inputs["checkpoints"], "checkpoint", damaged)]
     samples = sample_lists(_readable(inputs["samples"], "samples", damaged), study)
     for frame in (speed, quality, builds, kernels, records):
+        if "target" not in frame:  # no rows at all (a quality-only run times nothing)
+            continue
         frame["gpu"] = frame.target.map(lambda t: targets[t].get("gpu", "cpu"))
         frame["backend"] = frame.target.map(lambda t: targets[t]["backend"])
         frame["batch"] = frame.setting.map(lambda s: study["settings"][s]["batch"])

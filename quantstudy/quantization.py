@@ -83,8 +83,9 @@ UNIT_RANGE_SCALE = 1.0 / FP8_MAX
 def fp8_round_trip(x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """x through FP8 E4M3 and back, in x's dtype: at `scale`, or at x's own amax / 448 (a dynamic per-tensor
     scale, as for the operands of an FP8 attention or DFT matmul, which no calibration covers)."""
-    s = (torch.tensor(scale, dtype=torch.float32, device=x.device) if scale is not None
-         else x.detach().abs().amax().float().clamp_min(1e-12) / FP8_MAX)
+    # a given scale stays a Python float: a tensor made here would be a host-to-device copy, which CUDA-graph
+    # capture refuses (seen on an H100)
+    s = scale if scale is not None else x.detach().abs().amax().float().clamp_min(1e-12) / FP8_MAX
     return dequantize_fp8(quantize_fp8(x, s), s, x.dtype)
 
 
@@ -268,6 +269,10 @@ class MicroscaledLinear(nn.Module):
     here; the activation on every call, its NVFP4 per-tensor scale from the calibrated input amax (ModelOpt's
     NVFP4_DEFAULT_CFG calibrates it by max). No real block-scaled GEMM runs: speed needs a Blackwell GPU.
     Declared call sites as FP8Linear's: those in `unquantized_calls` run `work_precision` (linear_call)."""
+
+    # ModelOpt's QTensor makes tensors on the host inside each call (MXFP8's exponent bounds), which CUDA-graph
+    # capture refuses: a module holding one runs eagerly (backends.torch_backend.Runner reads this).
+    cuda_graph_safe = False
 
     def __init__(self, weight_fp32: torch.Tensor, bias: torch.Tensor | None, fmt: str, input_amax: float,
                  work_dtype: torch.dtype, call_sites: Iterable[str] = (), unquantized_calls: Iterable[str] = ()):

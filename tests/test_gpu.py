@@ -180,3 +180,32 @@ def test_the_cpu_microscaling_path_matches_modelopts_cuda_fake_quant(fmt, config
     with torch.no_grad():
         got, want = ours(batches[0]), cuda(batches[0].cuda()).cpu()
     assert float((got - want).norm() / want.norm()) <= 1e-3
+
+
+class _RoundTrips(torch.nn.Module):
+    """An FP8 attention's operands (quantization.fp8_attention_operands / fp8_probabilities) in one forward."""
+
+    def forward(self, x):
+        q, k = qz.fp8_attention_operands(x, x * 2)
+        return {"y": qz.fp8_probabilities(torch.softmax(q @ k.transpose(-1, -2), dim=-1))}
+
+
+def test_fp8_attention_operands_are_captured_in_a_cuda_graph():
+    """Seen on an H100: a scale made as a tensor inside forward is a host-to-device copy, refused by capture."""
+    x = torch.randn(2, 16, 32, device="cuda")
+    runner = torch_backend.Runner(_RoundTrips().cuda(), {"x": x}, device="cuda")
+    assert runner.graph is not None
+    torch.testing.assert_close(runner({"x": x})["y"], _RoundTrips()(x)["y"])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_a_microscaled_layer_runs_eagerly_on_cuda_and_matches_the_cpu(fmt):
+    """ModelOpt's QTensor makes host tensors in its forward: the runner does not capture such a module."""
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 64), torch.randn(4, 64)
+    layer = qz.MicroscaledLinear(w, None, fmt, float(x.abs().max()), torch.float32)
+    cpu = layer(x)
+    runner = torch_backend.Runner(layer.cuda(), {"input": x.cuda()}, device="cuda")
+    assert runner.graph is None
+    got = runner.model(x.cuda())
+    torch.testing.assert_close(got.cpu(), cpu, rtol=1e-3, atol=1e-3)

@@ -220,7 +220,8 @@ class Runner:
         self.graph = None
         if compile:
             self.model = torch.compile(model, dynamic=False, options=INDUCTOR_OPTIONS)
-        if self.device.type == "cuda":
+        # a module that makes host tensors inside its forward (cuda_graph_safe = False) runs eagerly on CUDA
+        if self.device.type == "cuda" and all(getattr(m, "cuda_graph_safe", True) for m in model.modules()):
             self._capture()
         elif compile:
             with torch.no_grad():  # compile (or load) now: opening, not the first timed call, pays for it

@@ -141,7 +141,10 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
     doc["timing"]["min_effect"] = {**MIN_EFFECT, **doc["timing"].get("min_effect", {})}
     doc.setdefault("reference_dtype", "float32")
     doc.setdefault("quality_against", [])
-    doc["evaluation"] = {"repeats": int((doc.get("evaluation") or {}).get("repeats", 1))}
+    evaluation = doc.get("evaluation") or {}
+    # `rebuild` only where set: the study as a run without it recorded it stays the same document.
+    doc["evaluation"] = {"repeats": int(evaluation.get("repeats", 1)),
+                         **({"rebuild": True} if evaluation.get("rebuild") else {})}
     study = _build_study(_locked(doc, where), where, against_code)
     if study.published:
         # Against the spec as well as this run's doc: a tiny run's overrides may leave out a model
@@ -246,7 +249,7 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
                timing.get("min_round_ms")),
         Decision(tuple(Condition.from_config(c) for c in doc["decision"]["conditions"])),
         doc["metrics"], doc["seeds"], tuple(doc["evaluation_samples"]), tuple(doc["quality_against"]),
-        doc["reference_dtype"], doc["evaluation"]["repeats"],
+        doc["reference_dtype"], doc["evaluation"]["repeats"], doc["evaluation"].get("rebuild", False),
         None if "calibrate_by" not in doc else tuple(doc["calibrate_by"]),
         {n: s["engine"] for n, s in doc["settings"].items() if "engine" in s},
         {t: dict(f or {}) for t, f in (doc.get("targets") or {}).items()}, doc.get("published"), doc)

@@ -43,6 +43,11 @@ MEASUREMENTS = f"{VARIANT_DIR}/measurements.json"
 TIMING = f"{VARIANT_DIR}/timing{{repeat}}.json"
 KERNELS = f"{VARIANT_DIR}/kernels.json"
 QUALITY = f"{VARIANT_DIR}/quality{{repeat}}.json"
+# A separate build of a variant's engine for its evaluation job {repeat} (-r2, ...; `evaluation.rebuild`):
+# its build.json, measurements record and engine folders, as the first build's, in a folder of their own.
+REBUILD_DIR = f"{VARIANT_DIR}/rebuild{{repeat}}"
+REBUILD = f"{REBUILD_DIR}/build.json"
+REBUILD_MEASUREMENTS = f"{REBUILD_DIR}/measurements.json"
 # Per target, model and setting: the FP8 variants' GEMMs alone.
 GEMM = f"{SETTING_DIR}/gemm.json"
 # Per study: its tables, plot, README section (and its page), audit; and the run's front page.

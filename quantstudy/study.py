@@ -270,6 +270,7 @@ class Study:
     quality_against: tuple[str, ...] = ()
     reference_dtype: str = "float32"  # the dtype the PyTorch reference runs in
     evaluation_repeats: int = 1  # separate evaluation jobs per engine (`evaluation.repeats`)
+    evaluation_rebuild: bool = False  # evaluation job r >= 2 opens its own build (`evaluation.rebuild`)
     calibrate_by: tuple[str, ...] | None = None  # the shape keys an amax file depends on (None: all)
     # setting -> the setting whose dynamic-shape engine it runs on (its `engine:`); absent: its own
     setting_engines: dict[str, str] = field(default_factory=dict)
@@ -338,6 +339,14 @@ class Study:
         built at that setting, or at the one whose dynamic-shape engine serves it (`engine:`)."""
         return paths.BUILD.format(study=self.name, target=target, model=model, setting=self.engine_setting(setting),
                                   variant=variant)
+
+    def evaluated_build_json(self, target: str, model: str, setting: str, variant: str, repeat: int) -> str:
+        """The build record of the engine a variant's evaluation job `repeat` opens: the one it is timed on
+        (build_json), or with `evaluation.rebuild` its own separate build for job 2 on (paths.REBUILD)."""
+        if repeat == 1 or not self.evaluation_rebuild:
+            return self.build_json(target, model, setting, variant)
+        return paths.REBUILD.format(study=self.name, target=target, model=model, setting=self.engine_setting(setting),
+                                    variant=variant, repeat=paths.repeat_suffix(repeat))
 
     def served_settings(self, target: str, model: str, setting: str, variant: str) -> list[str]:
         """The settings whose jobs open the engine built at `setting`: itself first, then those whose

@@ -159,13 +159,18 @@ def variant_build(w, variant=None):
     return study(w).build_json(w.target, w.model, w.setting, variant or w.variant)
 
 
+def evaluated_build(w, variant=None):
+    """The engines evaluation job {repeat} opens: the variant's timed build, or its own rebuild (`evaluation.rebuild`)."""
+    return study(w).evaluated_build_json(w.target, w.model, w.setting, variant or w.variant, repeat_index(w))
+
+
 def quality_against(w):
     """The variants whose engines this variant's quality is also measured against (`quality_against`)."""
     return [v for v in study(w).quality_against if v != w.variant]
 
 
 def against_builds(w):
-    return {f"against_{v}": variant_build(w, v) for v in quality_against(w)}
+    return {f"against_{v}": evaluated_build(w, v) for v in quality_against(w)}
 
 
 def baseline_build(w):

@@ -55,6 +55,18 @@ rule build:
         "../scripts/build.py"
 
 
+# A separate build of a variant's engine for its evaluation job -r2, -r3 ... (`evaluation.rebuild`): the
+# same job as build, writing to its own folder, so that the range across evaluation jobs is build to build.
+use rule build as rebuild with:
+    output:
+        build=paths.REBUILD,
+        measurements=paths.REBUILD_MEASUREMENTS,
+    log:
+        f"logs/{paths.VARIANT_KEY}/rebuild{{repeat}}.log",
+    benchmark:
+        f"benchmarks/{paths.VARIANT_KEY}/rebuild{{repeat}}.tsv"
+
+
 # One job per repeat (timing.json, timing-r2.json, ...: `timing.repeats`); each times the variant
 # beside its baseline, on its own, so that x's spread across jobs is measured.
 rule time:
@@ -138,13 +150,14 @@ rule gemm:
 
 
 # One job per repeat (quality.json, quality-r2.json, ...: `evaluation.repeats`), each opening the engine
-# and measuring it again, so that a metric's spread across jobs of one engine is measured.
+# and measuring it again, so that a metric's spread across jobs of one engine is measured; with
+# `evaluation.rebuild`, job -r2 on opens rebuild-r2/build.json, ..., and the spread is across builds.
 rule evaluate:
     input:
         unpack(evaluation_samples),
         unpack(against_builds),
         checkpoint=checkpoint_json,
-        build=variant_build,
+        build=evaluated_build,
         reference=reference_json,
         reference_tensors=reference_tensors,
     output:

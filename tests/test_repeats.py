@@ -192,3 +192,81 @@ def test_reproduce_samples_every_evaluation_job_of_an_engine(tmp_path):
     artifacts.write_json(tmp_path / "tables.json", "tables", doc)
     found = reproduce.candidates(tmp_path)["evaluate"]
     assert row["source"] in found and second in found
+
+
+# --- evaluation on separate builds: `evaluation: {repeats: N, rebuild: true}` ------------------------
+
+def test_evaluation_job_two_opens_its_own_build_where_rebuild_is_on():
+    """Deformable DETR's study config rebuilds (TensorRT tactics): job 1 opens the timed build, job 2
+    rebuild-r2/build.json of the engine's setting (800x1067 runs on 800x800's dynamic engine); off, or for
+    the embedded default's CPU run, every job opens the timed build."""
+    h200 = qc.load_run(yaml.safe_load((ROOT / "config/h200.yaml").read_text()), against_code=False).studies
+    s = h200["deformable_detr"]
+    assert (s.evaluation_repeats, s.evaluation_rebuild) == (2, True)
+    assert s.document["evaluation"] == {"repeats": 2, "rebuild": True}
+    key = ("h200-torch", "deformable-detr", "800x1067", "fp8")
+    assert s.engine_setting("800x1067") == "800x800"
+    first = "results/deformable_detr/h200-torch/deformable-detr/800x800/fp8/build.json"
+    assert s.evaluated_build_json(*key, 1) == s.build_json(*key) == first
+    assert s.evaluated_build_json(*key, 2) == "results/deformable_detr/h200-torch/deformable-detr/800x800/fp8/rebuild-r2/build.json"
+    assert s.evaluated_build_json(*key, 3).endswith("/800x800/fp8/rebuild-r3/build.json")
+    tiny = qc.load_run(yaml.safe_load((ROOT / "config/config.yaml").read_text()), against_code=False).studies
+    assert (tiny["deformable_detr"].evaluation_repeats, tiny["deformable_detr"].evaluation_rebuild) == (2, False)
+    assert tiny["deformable_detr"].evaluated_build_json(*key, 2) == first
+    # A study without `rebuild` records the evaluation it always did: tables.json's spec stays the same.
+    assert tiny["deformable_detr"].document["evaluation"] == {"repeats": 2}
+    assert h200["gpt_neo"].evaluation_repeats == 2 and h200["gpt_neo"].evaluation_rebuild
+    assert tiny["gpt_neo"].evaluation_repeats == 1 and not tiny["gpt_neo"].evaluation_rebuild
+
+
+@pytest.mark.parametrize("rebuild", [1, "yes"])
+def test_rebuild_must_be_true_or_false(tmp_path, rebuild):
+    doc = study_doc()
+    doc["evaluation"] = {"repeats": 2, "rebuild": rebuild}
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(qc.ConfigError, match=r"evaluation\.rebuild"):
+        qc.load_study(tmp_path / "study.yaml", against_code=False)
+
+
+def test_rebuild_plans_one_build_per_evaluated_engine_and_only_evaluation_opens_it(tmp_path):
+    """`evaluation: {repeats: 2, rebuild: true}` on the workflow tests' study: one rebuild job per engine it
+    evaluates, each writing rebuild-r2/; every quality-r2.json job reads its engine's rebuild (and the rebuild
+    of the engine it is compared against, quality_against), quality.json jobs, timings and profiles never do."""
+    import re
+    import subprocess
+    import sys
+
+    from quantstudy.devtools import planned_jobs
+
+    run = yaml.safe_load(TEST_CONFIG.read_text())
+    extra = tmp_path / "rebuild.yaml"
+    extra.write_text("evaluation: {repeats: 2, rebuild: true}\n")
+    fnet = run["studies"]["fnet"]
+    run["studies"]["fnet"] = {**fnet, "overrides": [*fnet["overrides"], str(extra)]}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(run))
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "results/fnet/tables.json", "-n", "--forceall", "--cores", "1",
+                           "--nolock", "--configfile", str(tmp_path / "config.yaml")], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    blocks = [b for b in re.split(r"\n(?=(?:local)?rule \w+:)", proc.stdout) if re.match(r"(?:local)?rule \w+:", b.strip())]
+    inputs = {}  # (rule, output) -> inputs
+    for b in blocks:
+        rule = re.match(r"(?:local)?rule (\w+):", b.strip()).group(1)
+        out = re.search(r"output: (\S+?),?\s", b)
+        inputs[(rule, out.group(1) if out else "")] = re.search(r"input: (.*)", b).group(1).split(", ") if "input:" in b else []
+    jobs = planned_jobs(proc.stdout)
+    evaluated = {(w["target"], w["variant"]) for rule, w in jobs if rule == "evaluate"}
+    rebuilt = [(w["target"], w["variant"], w["repeat"]) for rule, w in jobs if rule == "rebuild"]
+    assert sorted(rebuilt) == sorted((t, v, "-r2") for t, v in evaluated) and len(rebuilt) == 9
+    against = "results/fnet/{}/fnet-base/w512/fp16-hs/rebuild-r2/build.json"
+    for (rule, out), ins in inputs.items():
+        if rule == "evaluate" and out.endswith("/quality-r2.json"):
+            own = out.replace("/quality-r2.json", "/rebuild-r2/build.json")
+            assert own in ins and out.replace("/quality-r2.json", "/build.json") not in ins, (out, ins)
+            target = out.split("/")[2]
+            assert "/fp16-hs/" in out or against.format(target) in ins, (out, ins)
+        elif rule == "rebuild":
+            assert out.endswith("/rebuild-r2/build.json")
+        else:
+            assert not [i for i in ins if "/rebuild-" in i], (rule, out, ins)
+    assert sum(1 for rule, out in inputs if rule == "evaluate" and out.endswith("/quality-r2.json")) == len(evaluated)

@@ -167,7 +167,9 @@ def _widest(x: float | None, rows: list[dict[str, Any]], end: str, pick: Callabl
 def _quality(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:
     nf = doc["nonfinite"]
     sets = {k: v for k, v in nf.items() if isinstance(v, dict)}
-    yield {"evaluation_repeat": doc.get("repeat", 1), **flatten(doc["blocks"]), "nonfinite": nf["total_bad"],
+    build = doc.get("provenance", {}).get("inputs", {}).get("build", {}).get("path")  # the engine this job opened
+    yield {"evaluation_repeat": doc.get("repeat", 1), "evaluation_build": build, **flatten(doc["blocks"]),
+           "nonfinite": nf["total_bad"],
            **{f"nonfinite.{k}": v["bad"] for k, v in sets.items()}, **{f"nonfinite.{k}.of": v["of"] for k, v in sets.items()},
            "nonfinite_detail": sets, "intervals": intervals(doc["blocks"])}
 
@@ -188,13 +190,18 @@ def across_evaluations(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     The values are the first job's; `evaluations` counts the jobs and `quality_sources` lists their
     files. Where two or more jobs measured it, each metric's range across them: `<metric>.jobs_min` and
-    `<metric>.jobs_max` (a metric a job left non-finite or empty has none). A failed or damaged job
-    makes the engine's row that failure (_per_engine).
+    `<metric>.jobs_max` (a metric a job left non-finite or empty has none). Where the jobs opened separate
+    builds of the engine (`evaluation.rebuild`), `quality_builds` lists the build.json each opened, in job
+    order: the range is then build to build. A failed or damaged job makes the engine's row that failure
+    (_per_engine).
     """
     def combine(engine_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ordered = sorted(engine_rows, key=lambda r: r["evaluation_repeat"])
-        row = {k: v for k, v in ordered[0].items() if k != "evaluation_repeat"}
+        row = {k: v for k, v in ordered[0].items() if k not in ("evaluation_repeat", "evaluation_build")}
         row |= {"evaluations": len(ordered), "quality_sources": [r["source"] for r in ordered]}
+        builds = [r.get("evaluation_build") for r in ordered]
+        if len(set(builds)) > 1:
+            row["quality_builds"] = builds
         if len(ordered) > 1:
             for column, value in list(row.items()):
                 values = [r.get(column) for r in ordered]
@@ -202,7 +209,8 @@ def across_evaluations(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     row[f"{column}.jobs_min"], row[f"{column}.jobs_max"] = min(values), max(values)
         return [row]
 
-    return _per_engine(jobs, combine)
+    # A failed job's row keeps the columns it had (evaluation_build is combine's alone).
+    return [{k: v for k, v in r.items() if k != "evaluation_build"} for r in _per_engine(jobs, combine)]
 
 
 def _build(doc: dict[str, Any]) -> Iterable[dict[str, Any]]:

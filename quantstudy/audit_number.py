@@ -84,6 +84,15 @@ def arithmetic(rows: list[dict[str, Any]], row: dict[str, Any], column: str) -> 
     measured cell: (None, [])."""
     from quantstudy import render
 
+    if column.endswith((".jobs_min", ".jobs_max")) and len(row.get("quality_sources") or []) > 1:
+        # A metric's range across evaluation jobs (aggregate.across_evaluations): every job's file, and
+        # where each job opened its own build (`evaluation.rebuild`), that build.
+        metric, _, end = column.rpartition(".jobs_")
+        files, builds = row["quality_sources"], row.get("quality_builds")
+        opened = (" each on its own build (" + ", ".join(builds) + "): build to build" if builds
+                  else " of one engine")
+        return (f"{column} = the {'least' if end == 'min' else 'most'} {metric} of {len(files)} evaluation jobs,"
+                f"{opened}", [f for f in files if f != row.get("source")])
     if column in DERIVED and all(row.get(c) is not None for c in DERIVED[column]):
         a, b = DERIVED[column]
         return f"{column} = {a} / {b} = {render.ms(row[a])} / {render.ms(row[b])} = {row[a] / row[b]:.3f}", []

@@ -41,7 +41,7 @@ SPEED_COLUMNS = frozenset({
 # The quality table's columns that are not the family's (aggregate._quality, across_evaluations).
 QUALITY_ROW_COLUMNS = frozenset({
     "target", "model", "setting", "variant", "status", "error", "source", "gpu", "backend", "batch", "evaluations",
-    "quality_sources", "evaluation_repeat", "nonfinite", "nonfinite_detail", "intervals"})
+    "quality_sources", "quality_builds", "evaluation_repeat", "nonfinite", "nonfinite_detail", "intervals"})
 
 
 def quality_columns(declared: QualityColumns) -> frozenset[str]:

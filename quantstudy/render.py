@@ -374,7 +374,19 @@ def view(t: dict[str, Any], docs: str = "../../docs/reading-a-study.md", repo: s
         "samples": _samples_view(t), "link": functools.partial(link, t["study"]), "kept": kept,
         "repeats": repeats, "x_jobs_spread": value_range(r["candidate"]["x_jobs_spread"] for r in across_jobs),
         "within_job_noise": [r for r in across_jobs if within_job_noise(r["candidate"])],
+        "evaluations": evaluations_view(t["quality"]),
     }
+
+
+def evaluations_view(quality: list[dict[str, Any]]) -> dict[str, Any]:
+    """How the quality rows were measured (`evaluation: {repeats, rebuild}`): `jobs`, the most evaluation jobs
+    of one engine; `rows`, the rows measured by two or more; `rebuilt`, those whose jobs each opened their own
+    build of the engine (aggregate's `quality_builds`); `across`: what a metric's range across the jobs is
+    across, "builds" where every such row was rebuilt (build to build), else "jobs" (of one engine)."""
+    several = [r for r in quality if r.get("status") == "ok" and (r.get("evaluations") or 1) > 1]
+    rebuilt = [r for r in several if r.get("quality_builds")]
+    return {"jobs": int(max((r["evaluations"] for r in several), default=1)), "rows": len(several),
+            "rebuilt": len(rebuilt), "across": "builds" if several and len(rebuilt) == len(several) else "jobs"}
 
 
 def _samples_view(t: dict[str, Any]) -> dict[str, dict[str, Any]]:

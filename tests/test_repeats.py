@@ -270,3 +270,75 @@ def test_rebuild_plans_one_build_per_evaluated_engine_and_only_evaluation_opens_
         else:
             assert not [i for i in ins if "/rebuild-" in i], (rule, out, ins)
     assert sum(1 for rule, out in inputs if rule == "evaluate" and out.endswith("/quality-r2.json")) == len(evaluated)
+
+
+def test_across_evaluations_lists_the_builds_only_where_the_jobs_opened_separate_ones():
+    first, second = _evaluation(1, 0.464), _evaluation(2, 0.4625)
+    build = "results/s/cpu-torch/m/w8/fp8/build.json"
+    same = aggregate.across_evaluations([first | {"evaluation_build": build}, second | {"evaluation_build": build}])
+    assert "quality_builds" not in same[0] and "evaluation_build" not in same[0]
+    rebuilt = build.replace("/build.json", "/rebuild-r2/build.json")
+    [row] = aggregate.across_evaluations([second | {"evaluation_build": rebuilt}, first | {"evaluation_build": build}])
+    assert row["quality_builds"] == [build, rebuilt] and "evaluation_build" not in row
+    assert (row["heldout.ap.jobs_min"], row["heldout.ap.jobs_max"]) == (0.4625, 0.464)
+    failed = aggregate.across_evaluations([first | {"evaluation_build": build},
+                                           _evaluation(2, None, status="failed") | {"evaluation_build": None}])
+    assert [set(r) & {"quality_builds", "evaluation_build"} for r in failed] == [set()]
+
+
+DETR_EVIDENCE = ROOT / "results/h200-deformable-detr/deformable_detr/results/deformable_detr/tables.json"
+GPT_NEO_EVIDENCE = ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json"
+
+
+def _rebuilt(tables: dict, column: str, spread: float) -> dict:
+    """The evidence's tables as two builds per engine would make them: each ok row's second job on its own
+    build, `column` lower by `spread` there."""
+    t = copy.deepcopy(tables)
+    for r in t["quality"]:
+        if r["status"] == "ok" and r.get(column) is not None:
+            first = r["source"].replace("/quality.json", "/build.json")
+            r |= {"evaluations": 2, "quality_sources": [r["source"], r["source"].replace(".json", "-r2.json")],
+                  "quality_builds": [first, first.replace("/build.json", "/rebuild-r2/build.json")],
+                  f"{column}.jobs_min": r[column] - spread, f"{column}.jobs_max": r[column]}
+    return t
+
+
+def test_the_readme_says_the_spread_is_across_builds_where_each_job_had_its_own():
+    from quantstudy.devtools import malformed_tables
+
+    tables = artifacts.read_json(DETR_EVIDENCE, "tables")
+    one_engine = render.render_section(tables)
+    assert "| AP across jobs |" in one_engine and "(2 jobs)" in one_engine
+    assert "build to build" not in one_engine and "across builds" not in one_engine
+    rebuilt = render.render_section(_rebuilt(tables, "heldout.ap", 0.002))
+    assert "| AP across builds |" in rebuilt and "(2 builds)" in rebuilt and "(2 jobs)" not in rebuilt
+    assert "COCO AP across separate builds of each engine" in rebuilt and "within the build-to-build noise" in rebuilt
+    assert "spread (max - min) is 0.0020 to 0.0020" in rebuilt
+    assert "- Quality across builds: 6 engines were each built and evaluated 2 times" in rebuilt
+    assert "not the re-evaluation of one engine" in rebuilt and malformed_tables(rebuilt) == []
+
+    tables = artifacts.read_json(GPT_NEO_EVIDENCE, "tables")
+    assert "KL across" not in render.render_section(tables)
+    rebuilt = render.render_section(_rebuilt(tables, "wikitext.kl_mean", 0.0))
+    assert "| KL | KL across builds | KL / fp16's |" in rebuilt and "(build to build)" in rebuilt
+    fp8 = next(r for r in tables["quality"] if r["variant"] == "fp8" and r["status"] == "ok")
+    kl = render.sci(fp8["wikitext.kl_mean"])
+    assert f"| {kl} | {kl} to {kl} (2 builds) |" in rebuilt
+    assert malformed_tables(rebuilt) == []
+
+
+def test_a_numbers_chain_across_builds_walks_every_jobs_file_and_names_its_build():
+    """`audit chain` on a range across evaluation jobs: its arithmetic says which jobs and builds, and the
+    chain walks the other jobs' files too (quality-r2.json, and through it rebuild-r2/build.json)."""
+    from quantstudy import audit_number
+
+    t = _rebuilt(artifacts.read_json(DETR_EVIDENCE, "tables"), "heldout.ap", 0.002)
+    row = next(r for r in t["quality"] if r.get("quality_builds"))
+    how, others = audit_number.arithmetic(t["quality"], row, "heldout.ap.jobs_min")
+    assert others == [row["source"].replace("/quality.json", "/quality-r2.json")]
+    assert how.startswith("heldout.ap.jobs_min = the least heldout.ap of 2 evaluation jobs, each on its own build (")
+    assert row["quality_builds"][1] in how and how.endswith("build to build")
+    del row["quality_builds"]
+    how, _ = audit_number.arithmetic(t["quality"], row, "heldout.ap.jobs_max")
+    assert how.endswith("2 evaluation jobs, of one engine")
+    assert audit_number.arithmetic(t["quality"], row, "heldout.ap") == (None, [])

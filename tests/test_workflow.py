@@ -801,6 +801,74 @@ def test_repeats_time_each_variant_in_separate_jobs_and_render_their_spread(work
     assert json.loads((repo / "results/fnet/audit.json").read_text())["ok"]
 
 
+def test_rebuild_evaluates_job_two_on_its_own_build_and_the_readme_says_build_to_build(workflow_copy, tmp_path):
+    """`evaluation: {repeats: 2, rebuild: true}` over the run above: one rebuild job per evaluated engine
+    (rebuild-r2/, its own engine folders) and one more evaluation job that opens it; the timing and the
+    first evaluation keep the first build; the README calls the range across builds; the audit passes and
+    `audit chain` traces a number of such a row."""
+    import shutil
+
+    from quantstudy import families, paths
+    from quantstudy.config import quality_columns
+
+    repo = tmp_path / "repo"
+    shutil.copytree(workflow_copy, repo, symlinks=True)
+    (repo / "rebuild.yaml").write_text("evaluation: {repeats: 2, rebuild: true}\n")
+    run = yaml.safe_load((repo / ".test/config.yaml").read_text())
+    run["studies"]["fnet"]["overrides"].append("rebuild.yaml")
+    (repo / "rebuild-config.yaml").write_text(yaml.safe_dump(run))
+    args = ("--configfile", "rebuild-config.yaml")
+    proc = snakemake(repo, "-n", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = planned_jobs(proc.stdout + proc.stderr)
+    rebuilt = sorted((w["target"], w["variant"]) for rule, w in jobs if rule == "rebuild")
+    assert sorted((w["target"], w["variant"]) for rule, w in jobs if rule == "evaluate") == rebuilt
+    assert len(rebuilt) == 9 and {w["repeat"] for rule, w in jobs if rule in ("rebuild", "evaluate")} == {"-r2"}
+    assert sorted(rule for rule, _ in jobs if rule not in ("rebuild", "evaluate")) == [
+        "aggregate", "all", "audit", "front_page", "plot", "render"]
+    proc = snakemake(repo, *args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    tables = json.loads((repo / "results/fnet/tables.json").read_text())
+    assert tables["spec"]["evaluation"] == {"repeats": 2, "rebuild": True}
+    ok = [r for r in tables["quality"] if r["status"] == "ok"]
+    assert len(ok) == 7
+    for row in ok:
+        first = row["source"].replace("/quality.json", "/build.json")
+        rebuild = paths.REBUILD.format(**{k: row[k] for k in paths.VARIANT_FIELDS}, study="fnet", repeat="-r2")
+        assert row["quality_builds"] == [first, rebuild] and rebuild == first.replace("/build.json", "/rebuild-r2/build.json")
+        q1, q2 = (json.loads((repo / s).read_text()) for s in row["quality_sources"])
+        assert q1["provenance"]["inputs"]["build"]["path"] == first and q2["provenance"]["inputs"]["build"]["path"] == rebuild
+        if row["variant"] != "fp16-hs":  # quality_against: the second job compares with fp16-hs's second build
+            assert q2["provenance"]["inputs"]["against_fp16-hs"]["path"].endswith("/fp16-hs/rebuild-r2/build.json")
+        b1, b2 = (json.loads((repo / p).read_text()) for p in (first, rebuild))
+        engines = [Path(b["graphs"]["main"]["engine"]) for b in (b1, b2)]
+        assert engines[0].parent.parent == Path(first).parent and engines[1].parent.parent == Path(rebuild).parent
+        assert all((repo / e).is_file() for e in engines) and not (repo / engines[0]).samefile(repo / engines[1])
+        assert b2["provenance"]["started"] > b1["provenance"]["finished"]
+        assert (repo / rebuild).parent.joinpath("measurements.json").is_file()
+        timing = repo / row["source"].replace("/quality.json", "/timing.json")
+        if timing.exists():
+            assert json.loads(timing.read_text())["provenance"]["inputs"]["build"]["path"] == first
+    columns = {k for row in tables["quality"] for k in row}
+    declared = families.get("fnet").quality_columns(["heldout", "sts"], ["fp16-hs"])
+    assert "quality_builds" in columns and columns - quality_columns(declared) == {"window"}
+
+    readme = (repo / "results/fnet/README.md").read_text()
+    assert "- Quality across builds: 7 engines were each built and evaluated 2 times, every evaluation job on its own build" in readme
+    assert "build to build" in readme and "not the re-evaluation of one engine" in readme
+    assert json.loads((repo / "results/fnet/audit.json").read_text())["ok"]
+    proc = _audit_cli(repo, "check", "results/fnet", "--configfile", "rebuild-config.yaml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # A number of a rebuilt row: its chain goes down to the first build it came from, every hash matching.
+    fp8 = next(r for r in ok if r["target"] == "cpu-torch" and r["variant"] == "fp8")
+    shown = re.findall(r"\[([^\]]+)\]\(cpu-torch/fnet-base/w512/fp8/quality\.json\)", readme)
+    assert shown
+    proc = _audit_cli(repo, "chain", "results/fnet/README.md", shown[0])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"from {fp8['source']}" in proc.stdout and "results/fnet/cpu-torch/fnet-base/w512/fp8/build.json" in proc.stdout
+
+
 def test_the_speed_table_has_only_the_columns_a_decision_may_name(workflow_copy):
     """config.SPEED_COLUMNS is what the config check lets a decision condition name: a column aggregate
     adds must be listed there, or a condition on it would be refused."""
@@ -823,7 +891,9 @@ def test_the_quality_table_has_the_columns_the_family_declares(workflow_copy):
     declared = families.get("fnet").quality_columns(["heldout", "sts"], ["fp16-hs"])
     assert columns - quality_columns(declared) == {"window"}
     own = {f"{b}.{m}" for b, metrics in declared.blocks.items() for m in metrics}
-    assert own | {"cls_vs_fp16-hs.relative_error", "nonfinite.batch", "reference.sts.spearman"} | QUALITY_ROW_COLUMNS <= columns
+    # quality_builds: only where evaluation jobs opened separate builds (test_rebuild_evaluates_job_two_...)
+    assert own | {"cls_vs_fp16-hs.relative_error", "nonfinite.batch", "reference.sts.spearman"} | (
+        QUALITY_ROW_COLUMNS - {"quality_builds"}) <= columns
 
 
 def test_x_is_the_baseline_time_over_the_variant_time_in_every_row(workflow_copy):

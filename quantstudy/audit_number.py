@@ -53,7 +53,9 @@ def find_number(tables: dict[str, Any], text: str) -> list[dict[str, Any]]:
                 how, sources = _observed_arithmetic(tables, c, end, value)
                 hits.append({"table": "decision", "row": f"condition {c['name']!r}", "column": f"observed {end}",
                              "value": value, "source": None, "sources_of": sources,
-                             "where": ("decision", "conditions", i, "observed", end), "arithmetic": how})
+                             # a scalar observed value (a count) is the condition's own key, not a dict's
+                             "where": ("decision", "conditions", i, "observed", *([end] if isinstance(observed, dict) else [])),
+                             "arithmetic": how})
     return hits
 
 

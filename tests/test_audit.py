@@ -13,7 +13,7 @@ from quantstudy.audit_checks import one_engine_problems, probes_differ
 from quantstudy.reproduce import compare_quality, compare_timing
 from quantstudy.timing import timing_noise
 
-from helpers import scaled
+from helpers import ROOT, scaled
 
 
 def _probe(values):
@@ -279,7 +279,6 @@ def test_a_job_on_another_card_than_its_targets_is_a_problem():
     2026-12-05 the same config's jobs ran on an H100, which the README still called an h200."""
     import json
 
-    from helpers import ROOT
 
     job = "results/timm_xcit/h200-torch/xcit-tiny/b1/fp8/timing.json"
     on_h200 = json.loads((ROOT / "results/h200-build-once/xcit" / job).read_text())
@@ -411,3 +410,14 @@ def test_gpt_neos_kl_ratio_on_the_page_is_a_cell_of_tables_json():
                                   f"{render.sci(fp16['wikitext.kl_mean'])} ({fp16['source']}) = "
                                   f"{fp8['wikitext.kl_mean'] / fp16['wikitext.kl_mean']:.4g}")
     assert cell["also_from"] == [fp16["source"]]
+
+
+def test_a_count_a_decision_observed_is_traced_not_a_crash():
+    """A condition that sums (quality-bar failures: 18 in the FNet repeats evidence) records its observed
+    value as a number, not {value, n}: `audit chain README 18` finds it and tells whether the page shows it."""
+    tables = artifacts.read_json(ROOT / "results/h200-torch-repeats/results/fnet/tables.json", "tables")
+    hits = audit_number.find_number(tables, "18")
+    decision = [h for h in hits if h["table"] == "decision"]
+    assert [h["where"] for h in decision] == [("decision", "conditions", 2, "observed")]
+    shown = audit_number.shown_hits(tables, ROOT / "results/h200-torch-repeats/results/fnet/README.md", "18", hits)
+    assert [(h["table"], h["column"]) for h in shown] == [("decision", "observed value")]

@@ -159,21 +159,9 @@ def test_one_evaluation_job_measures_no_spread_and_a_failed_job_is_the_row():
 def test_evaluation_repeats_plan_one_evaluate_job_each(tmp_path):
     """`evaluation: {repeats: 2}` on the workflow tests' study: every engine it evaluates gets
     quality.json and quality-r2.json, and aggregate reads both; one job is the default."""
-    import subprocess
-    import sys
 
     assert qc.load_run(yaml.safe_load(TEST_CONFIG.read_text()), against_code=False).studies["fnet"].evaluation_repeats == 1
-    run = yaml.safe_load(TEST_CONFIG.read_text())
-    extra = tmp_path / "two-evaluations.yaml"
-    extra.write_text("evaluation: {repeats: 2}\n")
-    fnet = run["studies"]["fnet"]
-    run["studies"]["fnet"] = {**fnet, "overrides": [*fnet["overrides"], str(extra)]}
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(run))
-    # The target before --configfile, which takes every word after it as a file.
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "results/fnet/tables.json", "-n", "--forceall", "--cores", "1",
-                           "--nolock", "--configfile", str(tmp_path / "config.yaml")], capture_output=True, text=True,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _dry_run_with_evaluation(tmp_path, "{repeats: 2}")
     planned = set(__import__("re").findall(r"output: (results/fnet/\S+/quality(?:-r\d+)?\.json)", proc.stdout))
     firsts = {p for p in planned if p.endswith("/quality.json")}
     assert firsts and {p.replace("/quality.json", "/quality-r2.json") for p in firsts} == planned - firsts
@@ -233,21 +221,10 @@ def test_rebuild_plans_one_build_per_evaluated_engine_and_only_evaluation_opens_
     evaluates, each writing rebuild-r2/; every quality-r2.json job reads its engine's rebuild (and the rebuild
     of the engine it is compared against, quality_against), quality.json jobs, timings and profiles never do."""
     import re
-    import subprocess
-    import sys
 
     from quantstudy.devtools import planned_jobs
 
-    run = yaml.safe_load(TEST_CONFIG.read_text())
-    extra = tmp_path / "rebuild.yaml"
-    extra.write_text("evaluation: {repeats: 2, rebuild: true}\n")
-    fnet = run["studies"]["fnet"]
-    run["studies"]["fnet"] = {**fnet, "overrides": [*fnet["overrides"], str(extra)]}
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(run))
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "results/fnet/tables.json", "-n", "--forceall", "--cores", "1",
-                           "--nolock", "--configfile", str(tmp_path / "config.yaml")], capture_output=True, text=True,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _dry_run_with_evaluation(tmp_path, "{repeats: 2, rebuild: true}")
     blocks = [b for b in re.split(r"\n(?=(?:local)?rule \w+:)", proc.stdout) if re.match(r"(?:local)?rule \w+:", b.strip())]
     inputs = {}  # (rule, output) -> inputs
     for b in blocks:
@@ -342,3 +319,23 @@ def test_a_numbers_chain_across_builds_walks_every_jobs_file_and_names_its_build
     how, _ = audit_number.arithmetic(t["quality"], row, "heldout.ap.jobs_max")
     assert how.endswith("2 evaluation jobs, of one engine")
     assert audit_number.arithmetic(t["quality"], row, "heldout.ap") == (None, [])
+
+
+def _dry_run_with_evaluation(tmp_path, evaluation: str):
+    """A dry run (--forceall) of the workflow tests' study up to its tables, with `evaluation: <evaluation>` layered
+    over it; asserts it resolves and returns the finished process."""
+    import subprocess
+    import sys
+
+    run = yaml.safe_load(TEST_CONFIG.read_text())
+    extra = tmp_path / "evaluation.yaml"
+    extra.write_text(f"evaluation: {evaluation}\n")
+    fnet = run["studies"]["fnet"]
+    run["studies"]["fnet"] = {**fnet, "overrides": [*fnet["overrides"], str(extra)]}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(run))
+    # The target before --configfile, which takes every word after it as a file.
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "results/fnet/tables.json", "-n", "--forceall", "--cores", "1",
+                           "--nolock", "--configfile", str(tmp_path / "config.yaml")], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc

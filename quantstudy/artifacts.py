@@ -233,12 +233,19 @@ def content_digest(doc: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()).hexdigest()
 
 
+def rerun_command(path: str | Path) -> str:
+    """The command that makes one artifact again: its path forced, whichever rule writes it. Not
+    `--forcerun <rule>`: an evaluation job's rebuild (rebuild-r2/build.json) is rule rebuild's, not
+    build's, and a rule name reruns every job of that rule, not the one file."""
+    return f"snakemake --force {path}"
+
+
 class DamagedArtifact(ValueError):
     """An artifact that cannot be read as what it should be: the path, what is wrong, how to remake it."""
 
     def __init__(self, path: str | Path, problem: str):
         self.path, self.problem = str(path), problem
-        super().__init__(f"{path}: {problem}; rerun the job that writes it: snakemake --force {path}")
+        super().__init__(f"{path}: {problem}; rerun the job that writes it: {rerun_command(path)}")
 
 
 def read_json(path: str | Path, kind: str | None = None) -> dict[str, Any]:

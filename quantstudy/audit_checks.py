@@ -78,7 +78,7 @@ def redone_problems(path: str, doc: dict[str, Any]) -> list[str]:
         redone = {f"{v} {g}": kinds for v, graphs in redone.items() for g, kinds in graphs.items()}
     build = doc.get("provenance", {}).get("inputs", {}).get("build", {}).get("path", "<its build.json>")
     return [f"{path}: opening the {name} engine redid work its build should have done ({kind} {s:g} s): the "
-            f"build's compiled program lacks what this job ran; rerun it: snakemake --forcerun build {build}"
+            f"build's compiled program lacks what this job ran; rerun it: {artifacts.rerun_command(build)}"
             for name, kinds in sorted(redone.items()) for kind, s in kinds.items() if s > 0]
 
 
@@ -108,7 +108,7 @@ def redrawn_problems(path: str, doc: dict[str, Any], family: str) -> list[str]:
 
     if "snapshot" not in doc:
         return [f"{path} does not record the snapshot it was drawn from (an older fetch_dataset): rerun it: "
-                f"snakemake --forcerun fetch_dataset {path}"]
+                f"{artifacts.rerun_command(path)}"]
     params = doc["provenance"]["params"]
     drawn = steps.draw_samples(params["samples"], params["dataset"], family, doc["snapshot"],
                                doc["provenance"]["inputs"]["checkpoint"]["path"])
@@ -132,7 +132,7 @@ def rederived_problems(tables_json: str | Path, doc: dict[str, Any]) -> list[str
 
     if not isinstance(doc["provenance"]["params"].get("study"), dict):
         return [f"{tables_json} does not record the arguments it was made with (an older aggregate): rerun it: "
-                f"snakemake --forcerun aggregate {tables_json}"]
+                f"{artifacts.rerun_command(tables_json)}"]
     again = artifacts.plain(aggregate.tables(aggregate.inputs_of(doc), **doc["provenance"]["params"]))
     recorded = {k: v for k, v in doc.items() if k not in ("schema", "schema_version", DIGEST, "provenance")}
     a, b = artifacts.leaves(recorded), artifacts.leaves(again)

@@ -140,9 +140,10 @@ def onnx_graph(path: str | Path, fp8_layers: list[str]) -> dict[str, Any]:
 
 def measurements(ident: dict[str, Any], target, build_doc: dict[str, Any], build_json: str,
                  linear_layers: dict[str, list[str]] | None, amax_json: str | None, export_doc: dict[str, Any] | None,
-                 export_json: str | None, out: str, started: str) -> None:
-    """Write the measurements record of an ok build (build_doc, as written to build_json). A torch build
-    gives its variant modules' linear layers by graph (`linear_layers`); an ONNX graph names its own."""
+                 export_json: str | None, out: str, started: str, rule: str = "build") -> None:
+    """Write the measurements record of an ok build (build_doc, as written to build_json), made by
+    `rule` (build, or rebuild for an evaluation job's own build). A torch build gives its variant
+    modules' linear layers by graph (`linear_layers`); an ONNX graph names its own."""
     from quantstudy import backends
 
     backend = backends.get(target.backend)
@@ -181,11 +182,11 @@ def measurements(ident: dict[str, Any], target, build_doc: dict[str, Any], build
         "precision": precision, "fp8_layers": {"count": len(fp8_layers), "names": sorted(fp8_layers) or NONE},
         "fp8_path": fp8_path, "amax": {"path": amax_json, "sha256": sha256_file(amax_json)} if amax_json else NONE,
         "onnx": onnx, "builder": options, "graphs": graphs,
-        "provenance": provenance("build", inputs, {"target": dataclasses.asdict(target)}, started)})
+        "provenance": provenance(rule, inputs, {"target": dataclasses.asdict(target)}, started)})
 
 
-def failed(ident: dict[str, Any], error: str, build_json: str, out: str, started: str) -> None:
-    """The record of a build that failed: its error, nothing measured."""
+def failed(ident: dict[str, Any], error: str, build_json: str, out: str, started: str, rule: str = "build") -> None:
+    """The record of a build that failed (made by `rule`, as measurements): its error, nothing measured."""
     write_json(out, "measurements", {"status": "failed", **ident, "error": error,
-                                     "provenance": provenance("build", {"build": build_json}, {}, started)})
+                                     "provenance": provenance(rule, {"build": build_json}, {}, started)})
 

@@ -426,10 +426,11 @@ def export(ident: dict[str, Any], family: str, setting: dict[str, Any], architec
 def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: dict[str, Any],
           architecture: dict[str, Any], spec: dict[str, Any], recipe: dict[str, Any], checkpoint_json: str,
           amax_json: str | None, out: str, export_json: str | None = None,
-          serves: list[dict[str, Any]] | None = None) -> None:
+          serves: list[dict[str, Any]] | None = None, rule: str = "build") -> None:
     """Build one engine per graph (variant x target), then its measurements record beside `out`
     (measurements.json, record.py), read from the engine and ONNX files. A build that raises, or whose
-    record cannot be made, is recorded as failed, in both files.
+    record cannot be made, is recorded as failed, in both files. Both record `rule` as the one that made
+    them: build, or rebuild for an evaluation job's own build (the script passes the rule Snakemake ran).
 
     A backend that builds from the module gets the variant module; one that builds from ONNX, the
     variant's exported ONNX (`export_json`). The engine is built for every setting whose jobs will
@@ -483,15 +484,15 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
         log.info("built %s: %d FP8 layers, %d bytes", ident, len(summary["fp8_layers"]), engine_bytes)
         return {"spec": spec, **summary, "graphs": engines, "engine_bytes": engine_bytes, "calibration": calibration}
 
-    doc = _record("build", "build", out, ident, inputs, params, measure, {"spec": spec})
+    doc = _record("build", rule, out, ident, inputs, params, measure, {"spec": spec})
     if doc["status"] == "ok":
         try:
             record.measurements(ident, tgt, read_json(out, "build"), out, made.get("linear"), amax_json,
-                                made.get("export"), export_json, out_measurements, started)
+                                made.get("export"), export_json, out_measurements, started, rule)
             return
         except Exception:  # a build whose record cannot be made is a failed build
-            doc = _failed("build", "build", out, ident, inputs, params, started, traceback.format_exc(), {"spec": spec})
-    record.failed(ident, doc["error"], out, out_measurements, started)
+            doc = _failed("build", rule, out, ident, inputs, params, started, traceback.format_exc(), {"spec": spec})
+    record.failed(ident, doc["error"], out, out_measurements, started, rule)
 
 
 def _linear_layers(model) -> list[str]:
@@ -529,8 +530,8 @@ def open_engines(family: str, build_doc: dict[str, Any], recipe: dict, checkpoin
             path = build_doc["graphs"][g].get(key)
             if path and artifacts.sha256_file(path) != build_doc["graphs"][g][digest]:
                 raise RuntimeError(f"{path} is not the file the build of {build_doc['variant']} made (its sha256 "
-                                   f"differs from the build's); rebuild it: snakemake --forcerun build "
-                                   f"{paths.build_of_engine(Path(path).parent)}")
+                                   f"differs from the build's); rebuild it: "
+                                   f"{artifacts.rerun_command(paths.build_of_engine(Path(path).parent))}")
     precision = build_doc["spec"]["precision"]
     examples = {g: example_inputs(family, ckpt, g, setting, precision) for g in names}
     for g in names:  # a torch engine runs the shapes it was built for, and no other

@@ -192,6 +192,21 @@ def test_a_number_shown_with_its_samples_precision_is_found_in_the_tables():
     assert [(h["column"], h["source"]) for h in hits] == [("heldout.top1_agreement", "q.json")]
 
 
+def test_the_rerun_hint_of_an_evaluation_jobs_rebuild_forces_that_file_not_rule_build():
+    """Evaluation job 2 of `evaluation.rebuild` opens rebuild-r2/build.json, made by rule rebuild: the hint
+    forces that file; `--forcerun build` would rerun every first build and not this one."""
+    rebuild = "r/800x800/fp8/rebuild-r2/build.json"
+    quality = {"schema": "quality", "provenance": {"inputs": {"build": {"path": rebuild}}},
+               "open_redone": {"main": {"compiling": 1.0}}}
+    [problem] = audit_checks.redone_problems("r/800x1067/fp8/quality-r2.json", quality)
+    assert problem.endswith(f"rerun it: snakemake --force {rebuild}") and "--forcerun" not in problem
+    # The other hints the audit gives name the file too.
+    [samples] = audit_checks.redrawn_problems("r/data/heldout.json", {"provenance": {}}, "fnet")
+    assert samples.endswith("rerun it: snakemake --force r/data/heldout.json")
+    [tables] = audit_checks.rederived_problems("r/tables.json", {"provenance": {"params": {}}})
+    assert tables.endswith("rerun it: snakemake --force r/tables.json")
+
+
 def test_an_opening_that_redid_its_builds_work_is_a_problem():
     """A job whose opening compiled or autotuned again (Runner.open_redone) is named with the engine,
     the work and the build to rerun; nothing redone, or a backend that opens no compiled program, is not."""
@@ -200,7 +215,7 @@ def test_an_opening_that_redid_its_builds_work_is_a_problem():
         "fp16": {"main": {"compiling": 0.0, "autotuning": 0.0}}, "fp8": {"main": {"compiling": 0.0, "autotuning": 1.5}}}}
     assert audit_checks.redone_problems("r/fp8/timing.json", timing) == [
         "r/fp8/timing.json: opening the fp8 main engine redid work its build should have done (autotuning 1.5 s): "
-        "the build's compiled program lacks what this job ran; rerun it: snakemake --forcerun build r/fp8/build.json"]
+        "the build's compiled program lacks what this job ran; rerun it: snakemake --force r/fp8/build.json"]
     quality = {"schema": "quality", **build, "open_redone": {"decode": {"compiling": 2.0, "autotuning": 0.0}}}
     [problem] = audit_checks.redone_problems("q.json", quality)
     assert problem.startswith("q.json: opening the decode engine redid work its build should have done (compiling 2 s)")

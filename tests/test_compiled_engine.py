@@ -202,7 +202,7 @@ def test_a_gpu_opening_benchmarks_no_triton_config_again(tiny, built, opened_els
 def test_a_shape_the_build_did_not_compile_is_refused(built, opened_elsewhere):
     result = _open_in_a_fresh_process(built["dir"], 1, opened_elsewhere)  # batch 1: not built
     assert result.get("error", "").startswith("NotBuilt:"), result
-    assert "snakemake --forcerun build" in result["error"]
+    assert f"rerun it: snakemake --force {built['dir'].parent / 'build.json'}" in result["error"]
 
 
 class _TwoGraphs(torch.nn.Module):

@@ -249,6 +249,41 @@ def test_rebuild_plans_one_build_per_evaluated_engine_and_only_evaluation_opens_
     assert sum(1 for rule, out in inputs if rule == "evaluate" and out.endswith("/quality-r2.json")) == len(evaluated)
 
 
+def test_a_rebuild_records_its_own_rule_and_its_rerun_hint_reruns_it_alone(tmp_path, monkeypatch, capsys):
+    """Rule rebuild runs the build script (`use rule build as rebuild`): its build.json and measurements record,
+    ok or failed, say rule rebuild, the first build's say build, and `audit chain` shows that. The audit's hint
+    for it (`rerun_command`: the file forced, not `--forcerun build`, which names no rebuild) plans that one job."""
+    from quantstudy import audit, paths
+    from quantstudy.artifacts import rerun_command
+    from quantstudy.devtools import copy_checkout, planned_jobs, snakemake
+
+    repo = copy_checkout(ROOT, tmp_path / "repo")
+    config = _config_with_evaluation(tmp_path, "{repeats: 2, rebuild: true}")
+    key = {"study": "fnet", "target": "cpu-torch", "model": "fnet-base", "setting": "w512"}
+    first = paths.BUILD.format(**key, variant="fp16")
+    rebuilt = {v: paths.REBUILD.format(**key, variant=v, repeat="-r2") for v in ("fp16", "fp8-broken")}
+    proc = snakemake(repo, first, *rebuilt.values(), "--configfile", config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def rules(build_json: str) -> tuple[str, str, str]:
+        build = artifacts.read_json(repo / build_json, "build")
+        record = artifacts.read_json(repo / paths.beside(build_json, paths.MEASUREMENTS), "measurements")
+        return build["status"], build["provenance"]["rule"], record["provenance"]["rule"]
+
+    assert rules(first) == ("ok", "build", "build")
+    assert rules(rebuilt["fp16"]) == ("ok", "rebuild", "rebuild")
+    assert rules(rebuilt["fp8-broken"]) == ("failed", "rebuild", "rebuild")  # a failure is recorded by its rule too
+    monkeypatch.chdir(repo)
+    assert audit.main(["chain", rebuilt["fp16"]]) == 0
+    assert f"{rebuilt['fp16']}\n  rule rebuild, " in capsys.readouterr().out
+
+    hint = rerun_command(rebuilt["fp16"])
+    assert hint == f"snakemake --force {rebuilt['fp16']}"
+    proc = snakemake(repo, *hint.split()[1:], "-n", "--configfile", config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(rule, w["variant"], w["repeat"]) for rule, w in planned_jobs(proc.stdout)] == [("rebuild", "fp16", "-r2")]
+
+
 def test_across_evaluations_lists_the_builds_only_where_the_jobs_opened_separate_ones():
     first, second = _evaluation(1, 0.464), _evaluation(2, 0.4625)
     build = "results/s/cpu-torch/m/w8/fp8/build.json"
@@ -321,21 +356,27 @@ def test_a_numbers_chain_across_builds_walks_every_jobs_file_and_names_its_build
     assert audit_number.arithmetic(t["quality"], row, "heldout.ap") == (None, [])
 
 
-def _dry_run_with_evaluation(tmp_path, evaluation: str):
-    """A dry run (--forceall) of the workflow tests' study up to its tables, with `evaluation: <evaluation>` layered
-    over it; asserts it resolves and returns the finished process."""
-    import subprocess
-    import sys
-
+def _config_with_evaluation(tmp_path, evaluation: str) -> str:
+    """The workflow tests' run config with `evaluation: <evaluation>` layered over its study, written in
+    `tmp_path`: its path."""
     run = yaml.safe_load(TEST_CONFIG.read_text())
     extra = tmp_path / "evaluation.yaml"
     extra.write_text(f"evaluation: {evaluation}\n")
     fnet = run["studies"]["fnet"]
     run["studies"]["fnet"] = {**fnet, "overrides": [*fnet["overrides"], str(extra)]}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(run))
+    return str(tmp_path / "config.yaml")
+
+
+def _dry_run_with_evaluation(tmp_path, evaluation: str):
+    """A dry run (--forceall) of the workflow tests' study up to its tables, with `evaluation: <evaluation>` layered
+    over it; asserts it resolves and returns the finished process."""
+    import subprocess
+    import sys
+
+    config = _config_with_evaluation(tmp_path, evaluation)
     # The target before --configfile, which takes every word after it as a file.
     proc = subprocess.run([sys.executable, "-m", "snakemake", "results/fnet/tables.json", "-n", "--forceall", "--cores", "1",
-                           "--nolock", "--configfile", str(tmp_path / "config.yaml")], capture_output=True, text=True,
-                          cwd=ROOT)
+                           "--nolock", "--configfile", config], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

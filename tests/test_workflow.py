@@ -515,7 +515,7 @@ def test_a_timing_job_whose_opening_autotuned_again_fails_the_audit(workflow_cop
     proc = snakemake(repo, "--configfile", ".test/config.yaml", "--keep-going")
     assert proc.returncode != 0
     assert (f"{variant}/timing.json: opening the fp8 main engine redid work its build should have done (autotuning "
-            f"2.5 s): the build's compiled program lacks what this job ran; rerun it: snakemake --forcerun build "
+            f"2.5 s): the build's compiled program lacks what this job ran; rerun it: snakemake --force "
             f"{variant}/build.json") in (repo / "logs/fnet/audit.log").read_text()
 
 

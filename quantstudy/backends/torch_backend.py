@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from quantstudy import paths
-from quantstudy.artifacts import atomic_write
+from quantstudy.artifacts import atomic_write, rerun_command
 from quantstudy.backends import Inputs, Shapes, batch_chunks, register
 from quantstudy.backends.inductor_cache import (REDONE, artifact_counts, artifact_summary, dynamo_seconds, fx_graph_cache,
                                            new_build_folder, own_inductor_cache, place_autotune_choices)
@@ -168,7 +168,7 @@ class TorchBackend:
         if found["miss"] or found["bypass"]:
             raise NotBuilt(f"opening {out_dir} at {_shape_of(example)} had to compile {found['miss'] + found['bypass']} "
                            f"graph(s) that its build did not: the build compiled other shapes or other code; "
-                           f"rerun it: snakemake --forcerun build {paths.build_of_engine(out_dir)}")
+                           f"rerun it: {rerun_command(paths.build_of_engine(out_dir))}")
         runner.open_seconds = time.perf_counter() - started
         spent = {k: v - dynamo[k] for k, v in dynamo_seconds().items()}
         loading = spent["compiler"] + spent["precompiled"]

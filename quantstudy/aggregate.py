@@ -22,7 +22,7 @@ from quantstudy.artifacts import DamagedArtifact, now, provenance, read_json, sh
 from quantstudy.config import PUBLISHED_KEYS, UNIT_SCALE, calibration_sample_sets, load_published, shape_of
 from quantstudy.study import REVISIT_SELECTORS, calibration_label
 from quantstudy.families.base import measured_against
-from quantstudy.render import value_range
+from quantstudy.render_formats import value_range
 
 log = logging.getLogger("quantstudy")
 

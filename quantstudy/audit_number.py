@@ -15,12 +15,13 @@ def find_number(tables: dict[str, Any], text: str) -> list[dict[str, Any]]:
     """The table cells of tables.json that the README shows as `text`, in any of the number formats
     the templates use: {table, row label, column, value, source}. A row's `sources` name the file of
     a column that is not the row's (a published number: its config/published file)."""
-    from quantstudy import render
+    from quantstudy import render_formats
 
-    # render.like prints a published number's neighbours in its notation: fixed or e, any precision.
-    formats = (render.ms, render.times, render.pct, render.sci, render.num, render.count,
+    # render_formats.like prints a published number's neighbours in its notation: fixed or e, any precision.
+    formats = (render_formats.ms, render_formats.times, render_formats.pct, render_formats.sci, render_formats.num,
+               render_formats.count,
                *(lambda v, d=d: f"{v:.{d}f}" for d in range(7)), *(lambda v, d=d: f"{v:.{d}e}" for d in range(4)),
-               *(lambda v, d=d: f"{100 * v:.{d}f}%" for d in range(3)))  # render.pct_of: a sample's precision
+               *(lambda v, d=d: f"{100 * v:.{d}f}%" for d in range(3)))  # render_formats.pct_of: a sample's precision
     text = text.strip().lstrip("+")  # a difference is shown signed
     want = text.rstrip("x%").replace(",", "") if not text.endswith("%") else text
     hits = []
@@ -84,7 +85,7 @@ def arithmetic(rows: list[dict[str, Any]], row: dict[str, Any], column: str) -> 
     from its row's times (`x = baseline_ms / variant_ms = 2.767 / 5.682 = 0.487`); a ratio to another
     variant (`wikitext.kl_mean / fp16`, aggregate.with_ratio) from that variant's row on the same key. A
     measured cell: (None, [])."""
-    from quantstudy import render
+    from quantstudy import render_formats
 
     if column.endswith((".jobs_min", ".jobs_max")) and len(row.get("quality_sources") or []) > 1:
         # A metric's range across evaluation jobs (aggregate.across_evaluations): every job's file, and
@@ -97,13 +98,13 @@ def arithmetic(rows: list[dict[str, Any]], row: dict[str, Any], column: str) -> 
                 f"{opened}", [f for f in files if f != row.get("source")])
     if column in DERIVED and all(row.get(c) is not None for c in DERIVED[column]):
         a, b = DERIVED[column]
-        return f"{column} = {a} / {b} = {render.ms(row[a])} / {render.ms(row[b])} = {row[a] / row[b]:.3f}", []
+        return f"{column} = {a} / {b} = {render_formats.ms(row[a])} / {render_formats.ms(row[b])} = {row[a] / row[b]:.3f}", []
     base, _, other = column.partition(" / ")
     theirs = next((r for r in rows if other and r.get("variant") == other and r.get("status", "ok") == "ok"
                    and all(r.get(k) == row.get(k) for k in ("target", "model", "setting", "graph"))), None)
     if theirs is None or row.get(base) is None or not theirs.get(base):
         return None, []
-    return (f"{column} = {render.sci(row[base])} / {other}'s {render.sci(theirs[base])} ({theirs['source']}) = "
+    return (f"{column} = {render_formats.sci(row[base])} / {other}'s {render_formats.sci(theirs[base])} ({theirs['source']}) = "
             f"{row[base] / theirs[base]:.4g}", [theirs["source"]])
 
 
@@ -111,7 +112,7 @@ def _observed_arithmetic(tables: dict[str, Any], c: dict[str, Any], end: str, va
     """Where a decision's observed value comes from: the rows of its table whose value of its column it
     is (the min or max over the condition's rows), each with its file; a column relative to another
     variant (`kl / fp16`) with its division."""
-    from quantstudy import render
+    from quantstudy import render_formats
 
     declared = {d["name"]: d for d in (tables.get("spec") or {}).get("decision", {}).get("conditions", [])}
     c = {**declared.get(c["name"], {}), **c}  # a tables.json before decide() copied its table
@@ -129,7 +130,7 @@ def _observed_arithmetic(tables: dict[str, Any], c: dict[str, Any], end: str, va
             if theirs is None or not theirs.get(base_col) or r.get(base_col) is None:
                 continue
             got = r[base_col] / theirs[base_col]
-            how = (f"{base_col} {render.sci(r[base_col])} ({r['source']}) / {other}'s {render.sci(theirs[base_col])} "
+            how = (f"{base_col} {render_formats.sci(r[base_col])} ({r['source']}) / {other}'s {render_formats.sci(theirs[base_col])} "
                    f"({theirs['source']}) = {got:.4g}")
             pair = [r["source"], theirs["source"]]
         elif isinstance(r.get(column), (int, float)):

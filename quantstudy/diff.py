@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     page = markdown(result)
     if args.out:
         from quantstudy.artifacts import atomic_write
-        from quantstudy.render import html_page
+        from quantstudy.render_page import html_page
 
         atomic_write(args.out, page + "\n")
         atomic_write(Path(args.out).with_suffix(".html"), html_page(page, "quantstudy diff"))

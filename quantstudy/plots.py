@@ -32,7 +32,8 @@ from quantstudy.artifacts import atomic_write, read_json
 from quantstudy.config import main_quality_condition
 from quantstudy.families.base import measured_against
 from quantstudy import paths
-from quantstudy.render import BLACKWELL_REASON, by_graph, condition_units, not_timed_here, setting_words
+from quantstudy.render_verdict import condition_units
+from quantstudy.render_view import BLACKWELL_REASON, by_graph, not_timed_here, setting_words
 
 log = logging.getLogger("quantstudy")
 

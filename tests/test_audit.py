@@ -180,13 +180,13 @@ def test_probes_are_compared_between_the_jobs_of_one_setting():
 
 
 def test_a_number_shown_with_its_samples_precision_is_found_in_the_tables():
-    """XCiT's top-1 agreement on 16 images is printed 94% (render.pct_of), not 93.75%: the chain finds
+    """XCiT's top-1 agreement on 16 images is printed 94% (render_formats.pct_of), not 93.75%: the chain finds
     its row either way."""
-    from quantstudy import audit_number, render
+    from quantstudy import audit_number, render_formats
 
     tables = {"quality": [{"target": "t", "model": "m", "setting": "s", "variant": "fp8",
                            "heldout.top1_agreement": 15 / 16, "source": "q.json"}]}
-    shown = render.pct_of(15 / 16, 16)
+    shown = render_formats.pct_of(15 / 16, 16)
     assert shown == "94%"
     hits = audit_number.find_number(tables, shown)
     assert [(h["column"], h["source"]) for h in hits] == [("heldout.top1_agreement", "q.json")]
@@ -417,12 +417,12 @@ def test_gpt_neos_kl_ratio_on_the_page_is_a_cell_of_tables_json():
     hits = audit_number.shown_hits(tables, None, shown, audit_number.find_number(tables, shown))
     assert ("quality", "wikitext.kl_mean / fp16", fp8["source"]) in {(h["table"], h["column"], h["source"]) for h in hits}
     # Its arithmetic names the fp16 row it is divided by, whose file the chain walks too.
-    from quantstudy import render
+    from quantstudy import render_formats
 
     fp16 = next(r for r in tables["quality"] if r["variant"] == "fp16")
     [cell] = [h for h in hits if h["table"] == "quality"]
-    assert cell["arithmetic"] == (f"wikitext.kl_mean / fp16 = {render.sci(fp8['wikitext.kl_mean'])} / fp16's "
-                                  f"{render.sci(fp16['wikitext.kl_mean'])} ({fp16['source']}) = "
+    assert cell["arithmetic"] == (f"wikitext.kl_mean / fp16 = {render_formats.sci(fp8['wikitext.kl_mean'])} / fp16's "
+                                  f"{render_formats.sci(fp16['wikitext.kl_mean'])} ({fp16['source']}) = "
                                   f"{fp8['wikitext.kl_mean'] / fp16['wikitext.kl_mean']:.4g}")
     assert cell["also_from"] == [fp16["source"]]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from quantstudy import artifacts, render
+from quantstudy import artifacts, render, render_page
 from quantstudy.devtools import Browser
 
 from helpers import ROOT
@@ -34,7 +34,7 @@ def _page(folder: Path, out: Path) -> tuple[Path, str]:
     """The evidence's README section rendered again, and its page (what the render rule writes)."""
     tables = artifacts.read_json(folder / "tables.json", "tables")
     section = render.render_section(tables, folder / "README.md")
-    out.write_text(render.html_page(section, tables["title"], folder))
+    out.write_text(render_page.html_page(section, tables["title"], folder))
     return out, section
 
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from quantstudy import config as qc, quantization, render, steps
+from quantstudy import config as qc, quantization, render, render_formats, render_view, steps
 
 from helpers import CPU_TORCH, FNET_SETTING, ROOT, ident
 
@@ -236,7 +236,7 @@ def test_the_not_tried_item_reads_measured_here_only_where_the_variant_ran():
     fp8 = [kl["fp8"] / kl["fp16"]]
     assert "Not built or measured here either" not in line
     assert (f"**Measured here** as `nvfp4`: next-token KL against PyTorch bf16, over the `fp16` engine's: "
-            f"{render.num(2 * fp8[0], 1)} times over 1 row (`fp8`: {render.num(fp8[0], 1)} times); speed needs a "
+            f"{render_formats.num(2 * fp8[0], 1)} times over 1 row (`fp8`: {render_formats.num(fp8[0], 1)} times); speed needs a "
             "Blackwell GPU (not timed on `h200-torch`).") in line
     assert "**Measured here** as `mxfp8`" in line
     # a variant whose every step failed is tried, and nothing of it is claimed
@@ -253,7 +253,7 @@ def test_the_plot_lists_the_variants_whose_speed_needs_a_blackwell_gpu():
 
     pts, by_design = plots.points(with_microscaled(artifacts.read_json(GPT_NEO, "tables")))
     assert not {p.variant for p in pts} & {"nvfp4", "mxfp8"}
-    assert by_design[f"quality only, speed needs a Blackwell GPU ({render.BLACKWELL_REASON})"] == ["h200-torch: nvfp4, mxfp8"]
+    assert by_design[f"quality only, speed needs a Blackwell GPU ({render_view.BLACKWELL_REASON})"] == ["h200-torch: nvfp4, mxfp8"]
 
 
 def test_a_builds_row_counts_its_microscaled_layers_only_where_it_has_some():

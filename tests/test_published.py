@@ -10,7 +10,7 @@ import re
 import pytest
 import yaml
 
-from quantstudy import aggregate, render
+from quantstudy import aggregate, render, render_formats
 from quantstudy import config as qc
 
 from helpers import ROOT
@@ -224,7 +224,7 @@ def test_a_run_not_comparable_to_the_write_up_lists_every_number_of_it_in_a_fold
     for r, x in zip(t["published"], listed):
         assert x.endswith(f"| {r['units']} | {' to '.join(r['printed'])} |")
     for item in left_out:
-        assert f'| "{render.cell_text(item["quote"])}" | {item["reason"]}: {render.cell_text(item["why"])} |' in fold
+        assert f'| "{render_formats.cell_text(item["quote"])}" | {item["reason"]}: {render_formats.cell_text(item["why"])} |' in fold
 
 
 def test_flagged_and_unreproduced_rows_are_marked():
@@ -245,7 +245,7 @@ def test_flagged_and_unreproduced_rows_are_marked():
     left_out = len(published_doc("fnet")["left_out"])
     assert lines[0] == (f"<details><summary>Published vs reproduced: 4 of {len(t['published'])} reproduced, "
                         f"3 beyond tolerance, {left_out} left out, each with why</summary>")
-    section = render.cell_text(next(r for r in t["published"] if r["column"] == "x")["published_source"]["section"])
+    section = render_formats.cell_text(next(r for r in t["published"] if r["column"] == "x")["published_source"]["section"])
     beyond = (f"| {section}: base, 256 \\| B200 / x | speed `x`: b200-trt11.4, fnet-base, w256, fp8 | x | 1.09 | 1.02 | "
               "-0.07 | **beyond tolerance** (±0.02) |")
     assert beyond in lines

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from quantstudy import render
+from quantstudy import render, render_formats, render_view
 
 
 def test_splice_replaces_only_the_marked_section():
@@ -25,11 +25,11 @@ def test_splice_appends_when_there_is_no_section_and_leaves_other_studies():
 
 
 def test_ranges_and_formats():
-    assert render.span({"min": 1.031, "max": 1.109}, render.times, "x") == "1.03x to 1.11x"
-    assert render.span({"min": 0.5, "max": 0.5}, render.pct) == "50.00%"
-    assert render.span(None) == "not measured"
-    assert render.sci(5.9e-06) == "5.9e-06" and render.sci(0.0095) == "0.0095"
-    assert render.value_range([1.0, None, float("nan"), 3.0]) == {"min": 1.0, "max": 3.0, "n": 2}
+    assert render_formats.span({"min": 1.031, "max": 1.109}, render_formats.times, "x") == "1.03x to 1.11x"
+    assert render_formats.span({"min": 0.5, "max": 0.5}, render_formats.pct) == "50.00%"
+    assert render_formats.span(None) == "not measured"
+    assert render_formats.sci(5.9e-06) == "5.9e-06" and render_formats.sci(0.0095) == "0.0095"
+    assert render_formats.value_range([1.0, None, float("nan"), 3.0]) == {"min": 1.0, "max": 3.0, "n": 2}
 
 
 def test_a_relative_condition_renders_its_factor_and_the_variant():
@@ -158,10 +158,10 @@ def test_the_verdict_gives_each_conditions_baseline_samples_and_threshold_basis(
 
 
 def test_a_percentage_carries_the_precision_its_samples_support():
-    assert render.pct_of(1.0, 16) == "100%" and render.pct_of(15 / 16, 16) == "94%"
-    assert render.pct_of(0.9975, 400) == "99.8%" and render.pct_of(0.9985, 2000) == "99.85%"
-    assert render.pct_of(0.5, None) == "50.00%"
-    assert render.mib(310_000) == "0.296" and render.mib(71_000_000) == "67.7" and render.pct0(-0.2749) == "-27%"
+    assert render_formats.pct_of(1.0, 16) == "100%" and render_formats.pct_of(15 / 16, 16) == "94%"
+    assert render_formats.pct_of(0.9975, 400) == "99.8%" and render_formats.pct_of(0.9985, 2000) == "99.85%"
+    assert render_formats.pct_of(0.5, None) == "50.00%"
+    assert render_formats.mib(310_000) == "0.296" and render_formats.mib(71_000_000) == "67.7" and render_formats.pct0(-0.2749) == "-27%"
 
 
 def test_each_setting_has_one_label_and_its_shape_once():
@@ -237,13 +237,13 @@ def test_a_threshold_is_printed_as_configured_beside_values_at_their_samples_pre
 
 
 def test_a_variants_transform_parameters_read_as_words_not_json():
-    assert render.params_text({"factor": 64, "when": {"window": [512]}}) == "factor 64, when window 512"
-    assert render.params_text({"exclude": ["*.output.dense", "*.qkv"]}) == "exclude *.output.dense / *.qkv"
+    assert render_formats.params_text({"factor": 64, "when": {"window": [512]}}) == "factor 64, when window 512"
+    assert render_formats.params_text({"exclude": ["*.output.dense", "*.qkv"]}) == "exclude *.output.dense / *.qkv"
 
 
 def test_a_range_in_words_names_its_unit_once():
-    assert render.span({"min": 48.1, "max": 48.7}, lambda v: render.num(v, 1), " times") == "48.1 to 48.7 times"
-    assert render.span({"min": 48.1, "max": 48.1}, lambda v: render.num(v, 1), " times") == "48.1 times"
+    assert render_formats.span({"min": 48.1, "max": 48.7}, lambda v: render_formats.num(v, 1), " times") == "48.1 to 48.7 times"
+    assert render_formats.span({"min": 48.1, "max": 48.1}, lambda v: render_formats.num(v, 1), " times") == "48.1 times"
 
 
 def test_a_bound_with_no_f_says_so_instead_of_an_empty_sentence():
@@ -448,7 +448,7 @@ def test_a_runs_banner_names_the_device_its_jobs_record_not_its_configs_note():
 
     for run_config in sorted(Path(ROOT / "config").glob("*.yaml")):
         note = (yaml.safe_load(run_config.read_text()).get("run") or {}).get("note") or ""
-        assert not render.CARD.findall(note), f"{run_config.name}'s note names a card: {render.CARD.findall(note)}"
+        assert not render_view.CARD.findall(note), f"{run_config.name}'s note names a card: {render_view.CARD.findall(note)}"
 
 
 def test_the_front_page_names_the_devices_the_jobs_record_once_per_run(tmp_path):

@@ -12,7 +12,7 @@ import statistics
 import pytest
 import yaml
 
-from quantstudy import aggregate, artifacts, config as qc, render
+from quantstudy import aggregate, artifacts, config as qc, render, render_formats
 
 from helpers import ROOT, TEST_CONFIG, study_doc
 
@@ -334,7 +334,7 @@ def test_the_readme_says_the_spread_is_across_builds_where_each_job_had_its_own(
     rebuilt = render.render_section(_rebuilt(tables, "wikitext.kl_mean", 0.0))
     assert "| KL | KL across builds | KL / fp16's |" in rebuilt and "(build to build)" in rebuilt
     fp8 = next(r for r in tables["quality"] if r["variant"] == "fp8" and r["status"] == "ok")
-    kl = render.sci(fp8["wikitext.kl_mean"])
+    kl = render_formats.sci(fp8["wikitext.kl_mean"])
     assert f"| {kl} | {kl} to {kl} (2 builds) |" in rebuilt
     assert malformed_tables(rebuilt) == []
 

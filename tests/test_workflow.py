@@ -78,7 +78,7 @@ def test_each_setting_is_compared_with_its_own_baseline(workflow_copy):
     """At 512 tokens the baseline is fp16-hs (fp16 returns NaN there): the kernel table and the
     summary's baseline column use it, not the default fp16. (It was lost once the config's integer
     window keys became strings in tables.json.)"""
-    from quantstudy import render
+    from quantstudy import render_formats
 
     readme = (workflow_copy / "results/fnet/README.md").read_text()
     kernel_rows = _table_rows(readme, "| Model, window | Target | Variant | sequence-axis DFT")
@@ -86,10 +86,10 @@ def test_each_setting_is_compared_with_its_own_baseline(workflow_copy):
                                                           for v in ("fp16-hs", "fp8")]
     tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
     # fp16 returns NaN at 512 (no top-1 at all); the baseline column must show fp16-hs's.
-    hs_top1 = render.value_range(r["mlm.top1_agreement"] for r in tables["quality"] if r["variant"] == "fp16-hs")
+    hs_top1 = render_formats.value_range(r["mlm.top1_agreement"] for r in tables["quality"] if r["variant"] == "fp16-hs")
     assert hs_top1 is not None
     summary = {r[0]: r for r in _table_rows(readme, "| At a glance | baseline |")}
-    assert summary["Masked-LM top-1 agreement with PyTorch fp32"][1] == render.span(hs_top1, render.pct)
+    assert summary["Masked-LM top-1 agreement with PyTorch fp32"][1] == render_formats.span(hs_top1, render_formats.pct)
 
 
 def test_a_failed_first_kernel_row_renders(workflow_copy):
@@ -162,7 +162,7 @@ def test_every_speed_row_carries_its_bound_and_the_readme_shows_it(workflow_copy
     and 1 / ((1 - f) + f / g), or, where that profile disagrees with the baseline's timing (measured on a
     shared CPU, it may), the bound withheld for that reason; the README's speed table shows that cell
     beside x."""
-    from quantstudy import bound, render
+    from quantstudy import bound, render, render_formats
 
     tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
     rows = [r for r in tables["speed"] if r["variant"] == "fp8"]
@@ -191,7 +191,7 @@ def test_every_speed_row_carries_its_bound_and_the_readme_shows_it(workflow_copy
     table = {(r[1]): r for r in _table_rows(readme, header)}
     for r in rows:
         assert table[r["target"]][at] == str(macros.bound_cell(r))
-        assert (render.times(r["bound"]) if r["bound"] is not None else "withheld") in table[r["target"]][at]
+        assert (render_formats.times(r["bound"]) if r["bound"] is not None else "withheld") in table[r["target"]][at]
     assert "](../../docs/reading-a-study.md#the-amdahl-bound)" in readme  # the formula, written once:
     assert "1 / ((1 - f) + f / g)" in (workflow_copy / "docs/reading-a-study.md").read_text()
 
@@ -303,9 +303,9 @@ def test_the_audit_command_checks_a_study_and_prints_one_numbers_chain(workflow_
     # down to the pinned checkpoint, with the job, machine and software of every step.
     tables = json.loads((workflow_copy / "results/fnet/tables.json").read_text())
     row = next(r for r in tables["speed"] if r["variant"] == "fp8" and r["status"] == "ok")
-    from quantstudy import render
+    from quantstudy import render_formats
 
-    shown = render.ms(row["variant_ms"])
+    shown = render_formats.ms(row["variant_ms"])
     assert shown in (workflow_copy / "results/fnet/README.md").read_text()
     proc = _audit_cli(workflow_copy, "chain", "results/fnet/README.md", shown)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -588,11 +588,11 @@ def test_an_edited_readme_number_fails_the_audit(workflow_copy, tmp_path):
 
     repo = tmp_path / "repo"
     shutil.copytree(workflow_copy, repo, symlinks=True)
-    from quantstudy import render
+    from quantstudy import render_formats
 
     readme = repo / "results/fnet/README.md"
     tables = json.loads((repo / "results/fnet/tables.json").read_text())
-    shown = render.ms(next(r for r in tables["speed"] if r["variant"] == "fp8" and r["status"] == "ok")["variant_ms"])
+    shown = render_formats.ms(next(r for r in tables["speed"] if r["variant"] == "fp8" and r["status"] == "ok")["variant_ms"])
     text = readme.read_text()
     assert shown in text
     readme.write_text(text.replace(shown, "0.001", 1))
@@ -763,7 +763,7 @@ def test_repeats_time_each_variant_in_separate_jobs_and_render_their_spread(work
     import shutil
     import statistics
 
-    from quantstudy import render
+    from quantstudy import render_formats
 
     repo = tmp_path / "repo"
     shutil.copytree(workflow_copy, repo, symlinks=True)
@@ -795,11 +795,12 @@ def test_repeats_time_each_variant_in_separate_jobs_and_render_their_spread(work
 
     readme = (repo / "results/fnet/README.md").read_text()
     fp8 = [r for r in ok_rows if r["variant"] == "fp8"]
-    spread = render.value_range(r["x_jobs_spread"] for r in fp8)
-    assert f"Across timing jobs, fp8's x moved by {render.span(spread, render.pct)}" in readme
+    spread = render_formats.value_range(r["x_jobs_spread"] for r in fp8)
+    assert f"Across timing jobs, fp8's x moved by {render_formats.span(spread, render_formats.pct)}" in readme
     assert "spread of x across timing jobs was not measured" not in readme
     for r in fp8:
-        assert f"| {render.times(r['x_jobs_min'])} to {render.times(r['x_jobs_max'])} ({render.pct(r['x_jobs_spread'])}) |" in readme
+        assert (f"| {render_formats.times(r['x_jobs_min'])} to {render_formats.times(r['x_jobs_max'])} "
+                f"({render_formats.pct(r['x_jobs_spread'])}) |") in readme
     assert json.loads((repo / "results/fnet/audit.json").read_text())["ok"]
 
 

@@ -38,7 +38,7 @@ SPEED_COLUMNS = frozenset({
     "x_jobs_min", "x_jobs_max", "x_jobs_spread", "timing_sources", "bound", "bound_note", "at_limit", "x_of_bound",
     "f", "f_basis", "f_kind", "f_source", "g", "g_source", "fp8_emulated",
     "x_rounds_low", "x_rounds_high", "x_low", "x_high"})
-# The quality table's columns that are not the family's (aggregate._quality, across_evaluations).
+# The quality table's columns that are not the family's (aggregate_rows.quality_rows, across_evaluations).
 QUALITY_ROW_COLUMNS = frozenset({
     "target", "model", "setting", "variant", "status", "error", "source", "gpu", "backend", "batch", "evaluations",
     "quality_sources", "quality_builds", "evaluation_repeat", "nonfinite", "nonfinite_detail", "intervals"})

@@ -86,7 +86,7 @@ def test_a_failed_row_carries_the_whole_error_text_not_only_the_tracebacks_last_
     """A build that fails with a builder's multi-line error (as TensorRT 11.4's on FP8 out_proj): the
     record keeps the traceback; the table row (what a README renders) has every line of the exception,
     none of the frames."""
-    from quantstudy import aggregate
+    from quantstudy import aggregate_rows
 
     def build_the_plan():
         raise RuntimeError("TensorRT could not build the engine:\n"
@@ -98,7 +98,7 @@ def test_a_failed_row_carries_the_whole_error_text_not_only_the_tracebacks_last_
     ident = {"target": "cpu-torch", "model": "gpt-neo-125m", "setting": "p256-c256", "variant": "fp8-out_proj"}
     steps._record("build", "build", str(out), ident, {}, {}, build_the_plan, {"spec": {"precision": "float16"}})
     _failed(out, "build", "builder returned no plan")
-    row = aggregate._rows([str(out)], "build", aggregate._build, []).iloc[0]
+    row = aggregate_rows.rows_of([str(out)], "build", aggregate_rows.build_rows, []).iloc[0]
     assert row["status"] == "failed"
     assert row["error"] == ("RuntimeError: TensorRT could not build the engine: [network] Input 0's element type "
                             "(fp8_e4m3) differs from input 1's element type (half) builder returned no plan")

@@ -257,12 +257,12 @@ def test_the_plot_lists_the_variants_whose_speed_needs_a_blackwell_gpu():
 
 
 def test_a_builds_row_counts_its_microscaled_layers_only_where_it_has_some():
-    from quantstudy import aggregate
+    from quantstudy import aggregate_rows
 
     doc = {"engine_bytes": 10, "fp8_layers": [], "precision": "float16", "graphs": {"main": {"engine_bytes": 10}}}
-    row, = aggregate._build({**doc, "microscaled_layers": ["a", "b"], "microscaling_format": "mxfp8"})
+    row, = aggregate_rows.build_rows({**doc, "microscaled_layers": ["a", "b"], "microscaling_format": "mxfp8"})
     assert row["microscaled_layers"] == 2 and row["microscaling_format"] == "mxfp8" and row["fp8_layers"] == 0
-    row, = aggregate._build(doc)  # the main job's tables keep their columns
+    row, = aggregate_rows.build_rows(doc)  # the main job's tables keep their columns
     assert "microscaled_layers" not in row
 
 

@@ -85,7 +85,7 @@ REL_TOL = {"torch": 0.0, "onnxruntime": 0.06, "tensorrt": 0.06, "torch-cuda": 0.
 RESULTS: list[tuple[str, str, str]] = []  # (family, backend, outcome), printed by conftest's summary
 
 
-GENERIC = ["quantstudy/steps.py", "quantstudy/aggregate*.py", "quantstudy/decision.py", "quantstudy/published.py",
+GENERIC = ["quantstudy/steps*.py", "quantstudy/aggregate*.py", "quantstudy/decision.py", "quantstudy/published.py",
            "quantstudy/render.py", "quantstudy/config.py",
            "quantstudy/jobserver.py", "quantstudy/torch_vs_plain*.py", "Snakefile", "rules/*.smk",
            "templates/study.md.j2", "templates/macros.md.j2", "config/schemas/*.yaml", "quantstudy/schemas/*.json"]

@@ -412,13 +412,13 @@ def eval_samples(checkpoints):
 
 
 def _engine(module, batch: int = 1):
-    """The harness's view (steps._batched_run) of a module run as the engine."""
-    from quantstudy import steps
+    """The harness's view (steps_measure.batched_run) of a module run as the engine."""
+    from quantstudy import steps_measure
 
     def runner(inputs):
         with torch.no_grad():
             return module(**inputs)
-    return steps._batched_run({"main": runner}, batch)
+    return steps_measure.batched_run({"main": runner}, batch)
 
 
 def test_tiny_nli_pairs_are_labelled_like_mnli():

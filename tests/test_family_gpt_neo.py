@@ -354,12 +354,12 @@ def test_kernel_groups_of_an_eager_fp8_decode(fam, exported):
 # --- the quality steps: data, decode check, reference and evaluate ------------------------------
 
 def _run(fam, checkpoint, setting=SETTING):
-    """The harness's view (steps._batched_run) of the fp32 prefill and decode modules."""
-    from quantstudy import steps
+    """The harness's view (steps_measure.batched_run) of the fp32 prefill and decode modules."""
+    from quantstudy import steps_measure
 
     modules = {g: fam.module(checkpoint, g, setting) for g in ("prefill", "decode")}
     as_runner = lambda m: (lambda inputs: m(**inputs))
-    return steps._batched_run({g: as_runner(m) for g, m in modules.items()}, setting.batch)
+    return steps_measure.batched_run({g: as_runner(m) for g, m in modules.items()}, setting.batch)
 
 
 def _prompts(tokenizer, lengths: list[int], prefill: int) -> tuple[torch.Tensor, torch.Tensor]:

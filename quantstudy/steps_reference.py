@@ -53,7 +53,7 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
     failing stops the run: every FP8 variant needs it."""
     import torch
 
-    from quantstudy import quantization
+    from quantstudy import calibration as qcal, quantization
 
     started = now()
     job_settings()
@@ -77,17 +77,17 @@ def calibrate(family: str, model: str, setting: dict[str, Any], architecture: di
                  method, len(samples), len(batches))
         progress = Progress("calibration batches", len(batches))
         if method == rec.method:
-            amax = quantization.calibrate(module, batches, progress, method)
+            amax = qcal.calibrate(module, batches, progress, method)
         else:
             try:
-                amax, changed = quantization.calibrate_method(module, batches, method, progress)
+                amax, changed = qcal.calibrate_method(module, batches, method, progress)
             except Exception:
                 record_failure("amax", "calibrate", out, ident, inputs, params, started, traceback.format_exc(),
                                {"calibration": {**calibration, "batches": len(batches)}})
                 return
             calibration["changed_from_max"] = changed
     layers = quantization.select(sorted(amax), list(rec.quantize))
-    report = quantization.outliers(amax, layers, rec.outlier_ratio)
+    report = qcal.outliers(amax, layers, rec.outlier_ratio)
     log.info("largest scale ratio to the median: %s; outliers: %s", report["largest_ratio"], report["layers"])
     write_json(out, "amax", {
         "status": "ok", **ident, "shape": dict(st.shape), "amax": amax, "recipe_layers": layers, "outliers": report,

@@ -26,7 +26,7 @@ import pytest
 import torch
 import yaml
 
-from quantstudy import backend_traits, backends, config, export, families, quantization
+from quantstudy import backend_traits, backends, config, export, families, quantization, transforms
 from quantstudy.families.base import Family, Setting
 
 from helpers import backend_or_skip, observed_amax, target_for
@@ -208,7 +208,7 @@ class FamilyCase:
             self._amax[graph] = observed_amax(module, [self.inputs(graph, "float32")])
         module = self.fam.module(self.checkpoints[checkpoint], graph, self.case.setting)
         spec = FP32_FP8 if variant == "fp32-fp8" else VARIANTS[variant]
-        return quantization.apply_variant(module, spec, self.recipe, self._amax[graph], self.fam.transforms())[0]
+        return transforms.apply_variant(module, spec, self.recipe, self._amax[graph], self.fam.transforms())[0]
 
 
 @pytest.fixture(scope="module")

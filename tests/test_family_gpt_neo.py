@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantstudy import config, export, families, quantization, timing
+from quantstudy import config, export, families, quantization, timing, transforms
 from quantstudy.families import base, gpt_neo_data, gpt_neo_metrics
 
 from helpers import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
@@ -182,7 +182,7 @@ def exported(fam, checkpoint, tmp_path_factory):
     def get(graph: str, variant: str):
         if (graph, variant) not in made:
             spec = VARIANTS[variant]
-            fresh = lambda: quantization.apply_variant(fam.module(checkpoint, graph, SETTING), spec, RECIPE, amax)
+            fresh = lambda: transforms.apply_variant(fam.module(checkpoint, graph, SETTING), spec, RECIPE, amax)
             model, summary = fresh()
             work = quantization.DTYPES[spec["precision"]]
             # A variant's caches are in its work precision.

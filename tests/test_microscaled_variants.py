@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from quantstudy import config as qc, quantization, render, steps, steps_engines, steps_measure, steps_reference
+from quantstudy import config as qc, render, steps, steps_engines, steps_measure, steps_reference, transforms
 
 from helpers import CPU_TORCH, FNET_SETTING, ROOT, ident
 
@@ -141,7 +141,7 @@ def test_a_layer_called_at_a_declared_site_is_microscaled_there_unless_the_recip
     calls: dict[str, list] = {}
 
     def run(spec, kind):
-        model, summary = quantization.apply_variant(fam.module(ckpt, "main", setting), spec, recipe, amax)
+        model, summary = transforms.apply_variant(fam.module(ckpt, "main", setting), spec, recipe, amax)
         for name, m in model.named_modules():
             if name.endswith(("layer.0.attention.self.query_proj", "layer.0.attention.self.query_proj.work_precision")):
                 m.register_forward_hook(lambda m, i, o, name=name: calls.setdefault(f"{kind} {name}", []).append(o))
@@ -163,9 +163,9 @@ def test_a_layer_called_at_a_declared_site_is_microscaled_there_unless_the_recip
 def test_a_blackwell_target_records_that_no_backend_builds_a_block_scaled_engine():
     b200 = qc.Target("b200-trt11.4", **B200)
     with pytest.raises(NotImplementedError, match="no backend implements an NVFP4 engine yet: target b200-trt11.4"):
-        quantization.refuse_block_scaled_engine(NVFP4, b200)
-    quantization.refuse_block_scaled_engine(NVFP4, qc.Target.from_params(CPU_TORCH))  # quality, by fake-quant
-    quantization.refuse_block_scaled_engine({"precision": "float16", "transforms": [{"fp8": {}}]}, b200)
+        transforms.refuse_block_scaled_engine(NVFP4, b200)
+    transforms.refuse_block_scaled_engine(NVFP4, qc.Target.from_params(CPU_TORCH))  # quality, by fake-quant
+    transforms.refuse_block_scaled_engine({"precision": "float16", "transforms": [{"fp8": {}}]}, b200)
 
 
 # --- the README ------------------------------------------------------------------------------

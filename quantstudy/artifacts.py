@@ -168,7 +168,7 @@ def provenance(rule: str, inputs: dict[str, str | Path] | None = None, params: d
 
 def error_summary(error: str) -> str:
     """A failed record's reason in one line: its traceback's last, the exception's module path dropped
-    ("NotApplicable: ...", not "quantstudy.quantization.NotApplicable: ...")."""
+    ("NotApplicable: ...", not "quantstudy.calibration.NotApplicable: ...")."""
     name, sep, reason = error.strip().splitlines()[-1].partition(": ")
     return f"{name.rpartition('.')[2]}{sep}{reason}"
 

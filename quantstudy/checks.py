@@ -38,7 +38,7 @@ SPEED_COLUMNS = frozenset({
     "x_jobs_min", "x_jobs_max", "x_jobs_spread", "timing_sources", "bound", "bound_note", "at_limit", "x_of_bound",
     "f", "f_basis", "f_kind", "f_source", "g", "g_source", "fp8_emulated",
     "x_rounds_low", "x_rounds_high", "x_low", "x_high"})
-# The quality table's columns that are not the family's (aggregate._quality, across_evaluations).
+# The quality table's columns that are not the family's (aggregate_rows.quality_rows, across_evaluations).
 QUALITY_ROW_COLUMNS = frozenset({
     "target", "model", "setting", "variant", "status", "error", "source", "gpu", "backend", "batch", "evaluations",
     "quality_sources", "quality_builds", "evaluation_repeat", "nonfinite", "nonfinite_detail", "intervals"})
@@ -246,7 +246,7 @@ def code_check_key(doc: dict[str, Any], models: dict[str, Model]) -> str:
     return h.hexdigest()
 
 
-# What the fp8 transform reads (quantization.apply_variant and fp8_layers); `when` is every transform's.
+# What the fp8 transform reads (transforms.apply_variant and fp8_layers); `when` is every transform's.
 FP8_PARAMETERS = ("include", "exclude", "add", "keep_edge_blocks", "exclude_calls", "weight_scales", "activation_scales",
                   "when")
 
@@ -255,12 +255,12 @@ def problems_against_code(doc: dict[str, Any], models: dict[str, Model], variant
                            settings: dict[str, Setting], match_layers: bool) -> list[str]:
     """The names a study gives the code: its family, its settings' shapes, its transforms, the
     layers its patterns match."""
-    from quantstudy import families, quantization  # deferred: these import torch
+    from quantstudy import families, quantization, transforms  # deferred: these import torch
 
     if doc["family"] not in families.names():
         return [f"unknown family {doc['family']!r}; registered families: {', '.join(families.names())}"]
     family = families.get(doc["family"])
-    known = quantization.transform_names(family.transforms())
+    known = transforms.transform_names(family.transforms())
     problems = [f"variant {v.name!r} names unknown transform {t!r}; known transforms: {', '.join(sorted(known))}"
                 for v in variants.values() for t, _ in v.transforms if t not in known]
     for v in variants.values():

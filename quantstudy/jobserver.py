@@ -4,7 +4,7 @@ Importing torch, Transformers and ModelOpt takes 6 to 14 s on two cores, and mos
 embedded default work for well under a second. When Snakemake runs jobs on this machine (a host
 without NVIDIA GPUs, see `start`), the Snakefile starts one server (`onstart`) that imports them
 once and stops it at the end. A job's
-script calls `run("quantstudy.steps:build", log, **kwargs)`; run hands the call, the job's
+script calls `run("quantstudy.steps_engines:build", log, **kwargs)`; run hands the call, the job's
 working directory, environment and stdin/stdout/stderr to the server, which forks a worker for
 it: the worker is the job, with the same code, arguments and files as an in-process run. Where
 no server answers (a cluster job, a job in its own conda environment, a step run by hand), run
@@ -37,7 +37,8 @@ from typing import Any
 # The environment variable that names a running server's socket, for the jobs Snakemake starts.
 ADDRESS = "QUANTSTUDY_JOB_SERVER"
 PRELOAD = ("torch", "transformers", "onnx", "onnxruntime", "modelopt.torch.quantization",
-           "quantstudy.steps", "quantstudy.families", "quantstudy.backends", "quantstudy.aggregate")
+           "quantstudy.steps", "quantstudy.steps_reference", "quantstudy.steps_engines",
+           "quantstudy.steps_measure", "quantstudy.families", "quantstudy.backends", "quantstudy.aggregate")
 # Imports that initialize CUDA where a GPU is visible (ModelOpt's GEMM kernels ask for the device's
 # capability at import; measured on an H200): a forked worker could not use the GPU after them,
 # so there each job imports them itself.

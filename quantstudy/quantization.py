@@ -1,29 +1,21 @@
-"""FP8 recipe: ModelOpt calibration, amax files and the variant transforms.
+"""FP8 numerics and the layers a variant is made of: per-tensor, per-channel and per-token FP8 scales, the
+quantize / dequantize round trip, FP8Linear (fake-quant, or a real FP8 GEMM where the GPU has one),
+MicroscaledLinear (NVFP4 / MXFP8 by ModelOpt's QTensor), the call sites a family's graph module declares,
+and the recipe's layers by name (linear_names, select).
 
-The only module that imports modelopt. A variant is a precision plus a list of transforms,
-applied to a family's graph module. The generic ones:
-  fp8             replace the recipe's linear layers by FP8Linear (static per-tensor scales);
-                  `include` / `exclude` patterns narrow the recipe, `add` patterns extend it,
-                  `keep_edge_blocks: N` keeps the layers of the first and last N blocks in the
-                  work precision
-  fp32_dequantize the FP8 layers dequantize to fp32 instead of the recipe's dtype
-  widen_scales    activation scales widened by `factor` (amax x factor)
-  microscaling    the recipe's layers (narrowed as fp8's are) fake-quantized to a block-scaled `format`,
-                  nvfp4 or mxfp8 (MicroscaledLinear): quality anywhere, no speed before Blackwell
-A family adds its own (FNet: `hidden_scaling`), as fn(model, params) -> summary entries.
 A layer that a family's graph module also calls at a named site (`declare_call_sites`,
 `linear_call`, e.g. attention projections also applied to relative position embeddings) is
 quantized at every call, unless the recipe's `exclude_calls` (or the fp8 transform's, which
 overrides it) names the site: those calls then run a plain linear on the work-precision weight.
+The transforms that put these layers into a graph module are in transforms.py; ModelOpt's
+calibration, which gives them their scales, in calibration.py.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import logging
-import math
-import statistics
-from typing import Any, Callable, Iterable
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +23,10 @@ from torch import nn
 from torch.profiler import record_function
 
 from quantstudy.kernel_kinds import FP8_REGION  # the region an FP8 layer runs in, as profiles read it
-from quantstudy.study import BLACKWELL, Target
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8 = torch.float8_e4m3fn
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
-TRANSFORMS = {"fp8", "fp32_dequantize", "widen_scales", "microscaling"}  # generic; families add their own
 
 log = logging.getLogger(__name__)
 
@@ -323,254 +313,3 @@ def select(names: Iterable[str], include: Iterable[str], exclude: Iterable[str] 
     include, exclude = list(include), list(exclude)
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in include)
             and not any(fnmatch.fnmatchcase(n, p) for p in exclude)]
-
-
-class NotApplicable(ValueError):
-    """A calibration method that does not apply to FP8 layers (ModelOpt refuses or skips them): recorded as
-    the calibration's failure, never replaced by another method."""
-
-
-# ModelOpt's calibration methods for FP8 a variant may name (`calibration: {method: ..., <params>}`):
-# - max: the largest |x| seen (FP8_DEFAULT_CFG's algorithm; the write-ups' method);
-# - mse, local_hessian: ModelOpt's weight-scale searches (activations by max);
-# - percentile, histogram_mse: activation amax from a histogram of |x| (percentile: `percentile`, default
-#   99.99), weights by max;
-# - entropy: the histogram's KL-optimal amax, which 0.47 computes for integer formats only;
-# - smoothquant: per-channel smoothing with migration strength `alpha`, which 0.47 applies to int8 only.
-CALIBRATION_METHODS = ("max", "mse", "local_hessian", "percentile", "histogram_mse", "entropy", "smoothquant")
-HISTOGRAM_METHODS = {"percentile": "percentile", "histogram_mse": "mse", "entropy": "entropy"}
-
-
-def calibrate(model: nn.Module, batches: list[dict[str, torch.Tensor]],
-              progress: Callable[[int, int], None] | None = None,
-              method: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
-    """Static per-tensor amax of every linear layer's input and weight by a ModelOpt calibration method
-    (CALIBRATION_METHODS; default max, FP8_DEFAULT_CFG's), for FP8. Raises NotApplicable for a method
-    that 0.47 does not carry out on FP8 quantizers.
-
-    Calibration collects statistics only, so calibrating all linears gives the recipe layers the
-    same amax as enabling them alone; the recipe picks its layers from the result.
-    """
-    import copy
-
-    import modelopt.torch.quantization as mtq
-
-    spec = dict(method or {"method": "max"})
-    name = spec.pop("method")
-    if name not in CALIBRATION_METHODS:
-        raise ValueError(f"calibration method {name!r} is not one of {', '.join(CALIBRATION_METHODS)}")
-
-    def forward_loop(m: nn.Module) -> None:
-        with torch.no_grad():
-            for i, batch in enumerate(batches):
-                m(**batch)
-                if progress:
-                    progress(i + 1, len(batches))
-
-    config = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
-    if name in HISTOGRAM_METHODS:
-        _histogram_calibrate(model, config, forward_loop, HISTOGRAM_METHODS[name], spec)
-    else:
-        if name != "max":
-            config["algorithm"] = {"method": name, **spec}
-        mtq.quantize(model, config, forward_loop)
-    if name == "smoothquant" and not any(getattr(m, "_amax_for_smoothing", None) is not None for m in model.modules()):
-        raise NotApplicable("ModelOpt 0.47's smoothquant smooths int8 quantizers only: it skipped every FP8 layer "
-                            "(\"Only int8 smoothing is supported\")")
-    amax = {}
-    for layer, module in model.named_modules():
-        iq, wq = getattr(module, "input_quantizer", None), getattr(module, "weight_quantizer", None)
-        if iq is None or wq is None or getattr(iq, "amax", None) is None or getattr(wq, "amax", None) is None:
-            continue
-        amax[layer] = {"input_amax": float(iq.amax.float().max()), "weight_amax": float(wq.amax.float().max())}
-    return amax
-
-
-def calibrate_method(model: nn.Module, batches: list[dict[str, torch.Tensor]], method: dict[str, Any],
-                     progress: Callable[[int, int], None] | None = None
-                     ) -> tuple[dict[str, dict[str, float]], dict[str, list[str]]]:
-    """A variant's own method (`calibrate`) beside max calibration of the same module: its amax, and the
-    layers whose input or weight amax it moved from max's. Raises NotApplicable where it moves none: 0.47's
-    local_hessian, for one, calibrates no FP8 per-tensor weight, and a method that changes nothing is max."""
-    import copy
-
-    reference = calibrate(copy.deepcopy(model), batches)
-    amax = calibrate(model, batches, progress, method)
-    changed = {kind: sorted(n for n in amax if n in reference
-                            and not math.isclose(amax[n][kind], reference[n][kind], rel_tol=1e-6))
-               for kind in ("input_amax", "weight_amax")}
-    if not any(changed.values()):
-        raise NotApplicable(f"{method['method']} gives every layer max calibration's amax: ModelOpt 0.47 "
-                            "calibrated nothing else with it on FP8 per-tensor quantizers")
-    return amax, changed
-
-
-def _histogram_calibrate(model: nn.Module, config: dict[str, Any], forward_loop: Callable[[nn.Module], None],
-                         method: str, params: dict[str, Any]) -> None:
-    """Activation amax from ModelOpt's histogram calibrator (`method`: percentile, mse or entropy), weights by
-    max. 0.47's finish_stats_collection passes no method to a histogram calibrator but entropy's, so each
-    quantizer loads its amax here, as that function does otherwise."""
-    import modelopt.torch.quantization as mtq
-    from modelopt.torch.quantization.model_calib import enable_stats_collection
-    from modelopt.torch.quantization.nn import TensorQuantizer
-
-    for entry in config["quant_cfg"]:
-        if entry.get("quantizer_name") == "*input_quantizer":
-            entry["cfg"] = {**entry["cfg"], "calibrator": "histogram"}
-    config["algorithm"] = None  # quantizers inserted, nothing calibrated yet
-    mtq.quantize(model, config, forward_loop=None)
-    enable_stats_collection(model)
-    forward_loop(model)
-    for layer, quantizer in model.named_modules():
-        if not isinstance(quantizer, TensorQuantizer) or quantizer._disabled:
-            continue
-        # an input's histogram calibrator by `method`; a weight's max calibrator as it is
-        args, kwargs = ((method,), params) if layer.endswith("input_quantizer") else ((), {})
-        try:  # as finish_stats_collection: a layer this graph never calls keeps no amax (not ModelOpt's NaN)
-            if quantizer._calibrator.compute_amax(*args, **kwargs) is not None:
-                quantizer.load_calib_amax(*args, **kwargs)
-        except TypeError as e:  # the histogram's bins come from an integer num_bits; FP8's is (4, 3)
-            raise NotApplicable(f"ModelOpt 0.47's histogram calibrator computes {method} for integer formats only: "
-                                f"on FP8 (num_bits {quantizer.num_bits}) it raised {type(e).__name__}: {e}") from e
-        quantizer.enable_quant()
-        quantizer.disable_calib()
-
-
-def outliers(amax: dict[str, dict[str, float]], layers: list[str], ratio: float) -> dict[str, Any]:
-    """The outlier rule: a scale above `ratio` x the median of its kind (input or weight) stays fp16."""
-    report: dict[str, Any] = {"ratio": ratio, "largest_ratio": {}, "layers": []}
-    for kind in ("input_amax", "weight_amax"):
-        values = [amax[n][kind] for n in layers]
-        median = statistics.median(values) if values else 0.0
-        ratios = {n: (amax[n][kind] / median if median > 0 else 0.0) for n in layers}
-        report["largest_ratio"][kind] = max(ratios.values(), default=0.0)
-        report["layers"] += [n for n, r in ratios.items() if r > ratio and n not in report["layers"]]
-    return report
-
-
-def _block_index(name: str) -> int | None:
-    """The block a layer belongs to: the first numeric component of its name (`encoder.layer.3.…`)."""
-    return next((int(p) for p in name.split(".") if p.isdigit()), None)
-
-
-def fp8_layers(model_layers: list[str], recipe: dict[str, Any], params: dict[str, Any],
-               outlier_layers: list[str]) -> list[str]:
-    """The layers a variant's fp8 transform quantizes: recipe (or its own include) plus its `add`,
-    minus excludes, edge blocks and outliers."""
-    # `add`: patterns on top of the recipe's (or the variant's own `include`), without repeating them.
-    chosen = select(model_layers, [*params.get("include", recipe["quantize"]), *params.get("add", [])],
-                    params.get("exclude", []))
-    edge = int(params.get("keep_edge_blocks", 0))
-    if edge:
-        blocks = sorted({b for b in map(_block_index, model_layers) if b is not None})
-        kept = set(blocks[:edge] + blocks[-edge:])
-        chosen = [n for n in chosen if _block_index(n) not in kept]
-    return [n for n in chosen if n not in outlier_layers]
-
-
-def transform_names(family_transforms: dict[str, Callable] | None = None) -> set[str]:
-    return TRANSFORMS | set(family_transforms or {})
-
-
-def _microscale(model: nn.Module, params: dict[str, Any], recipe: dict[str, Any], amax_doc: dict[str, Any] | None,
-                work: torch.dtype, with_fp8: bool) -> dict[str, Any]:
-    """The microscaling transform: the recipe's layers (fp8_layers, with the transform's include / exclude /
-    add) replaced by MicroscaledLinear in `params["format"]`."""
-    if with_fp8:
-        raise ValueError("a variant quantizes its layers by fp8 or by microscaling, not both")
-    if amax_doc is None:
-        raise ValueError("the microscaling transform needs an amax file (NVFP4's per-tensor activation scale)")
-    fmt = params.get("format")
-    layers = fp8_layers(linear_names(model), recipe, params, amax_doc["outliers"]["layers"])
-    if not layers:
-        raise ValueError("the microscaling transform selects no layer")
-    block = MICROSCALING_BLOCK.get(fmt)
-    uneven = [f"{n} ({model.get_submodule(n).in_features})" for n in layers
-              if block and model.get_submodule(n).in_features % block]
-    if uneven:  # raised, so that the build records it as this variant's failure
-        raise ValueError(f"{fmt} scales blocks of {block} along a layer's input width, which these layers' widths "
-                         f"are no multiple of: {', '.join(uneven)}")
-    # A layer's declared extra call sites (linear_call) are microscaled too, but for those the recipe (or the
-    # transform) keeps out, as for its FP8 layers.
-    excluded = set(params.get("exclude_calls", recipe.get("exclude_calls", [])))
-    unquantized = {}
-    for name in layers:
-        parent_name, _, child = name.rpartition(".")
-        parent, old = model.get_submodule(parent_name), model.get_submodule(name)
-        sites = tuple(getattr(old, "call_sites", ()))
-        if excluded & set(sites):
-            unquantized[name] = sorted(excluded & set(sites))
-        setattr(parent, child, MicroscaledLinear(old.weight.detach().float(), old.bias, fmt,
-                                                 amax_doc["amax"][name]["input_amax"], work, sites, excluded & set(sites)))
-    return {"microscaled_layers": sorted(layers), "microscaling_format": fmt,
-            **({"unquantized_calls": unquantized} if unquantized else {})}
-
-
-def refuse_block_scaled_engine(spec: dict[str, Any], target: Target) -> None:
-    """A microscaled variant on a Blackwell target, where it is timed (`timed: blackwell`): no backend builds
-    an NVFP4 or MXFP8 engine yet, and MicroscaledLinear's fake-quant would be timed as one. Raised, so that
-    the build records it; elsewhere the variant builds as fake-quant, for its quality."""
-    formats = [next(iter(t.values())).get("format") for t in spec["transforms"] if "microscaling" in t]
-    if formats and target.gpu.lower() in BLACKWELL:
-        raise NotImplementedError(
-            f"no backend implements an {' / '.join(f.upper() for f in formats)} engine yet: target {target.name} "
-            f"({target.gpu}, {target.backend}) would time ModelOpt's fake-quant (block-scaled round trips and a "
-            f"{spec['precision']} GEMM), not the block-scaled tensor-core GEMMs a Blackwell GPU runs")
-
-
-def apply_variant(model: nn.Module, spec: dict[str, Any], recipe: dict[str, Any], amax_doc: dict[str, Any] | None,
-                  family_transforms: dict[str, Callable[[nn.Module, dict], dict]] | None = None
-                  ) -> tuple[nn.Module, dict[str, Any]]:
-    """Turn an fp32 graph module into a variant (precision + transforms). Returns the model and a summary."""
-    work = DTYPES[spec["precision"]]
-    transforms = [(next(iter(t)), next(iter(t.values())) or {}) for t in spec["transforms"]]
-    names = dict(transforms)
-    family_transforms = family_transforms or {}
-    unknown = sorted(set(names) - transform_names(family_transforms))
-    if unknown:
-        raise ValueError(f"unknown transform(s) {', '.join(unknown)}")
-    summary: dict[str, Any] = {"precision": spec["precision"], "fp8_layers": []}
-    fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-    call_sites: dict[str, tuple[str, ...]] = {}
-    excluded_calls: set[str] = set()
-    if "fp8" in names:
-        if amax_doc is None:
-            raise ValueError("the fp8 transform needs an amax file")
-        layers = fp8_layers(linear_names(model), recipe, names["fp8"], amax_doc["outliers"]["layers"])
-        if not layers:
-            raise ValueError("the fp8 transform selects no layer")
-        modules = dict(model.named_modules())
-        fp8_weights = {n: (modules[n].weight.detach().float().clone(),
-                           None if modules[n].bias is None else modules[n].bias.detach().clone()) for n in layers}
-        call_sites = {n: tuple(getattr(modules[n], "call_sites", ())) for n in layers}
-        excluded_calls = set(names["fp8"].get("exclude_calls", recipe.get("exclude_calls", [])))
-        declared = {s for m in modules.values() for s in getattr(m, "call_sites", ())}
-        if excluded_calls - declared:
-            raise ValueError(f"exclude_calls names {', '.join(sorted(excluded_calls - declared))}, which no layer "
-                             f"declares; declared call sites: {', '.join(sorted(declared)) or 'none'}")
-    if "microscaling" in names:  # from the fp32 weights, before the cast
-        summary.update(_microscale(model, names["microscaling"], recipe, amax_doc, work, "fp8" in names))
-    model = model.to(work)
-    dequant = torch.float32 if "fp32_dequantize" in names else DTYPES[recipe["dequantize_dtype"]]
-    fp8_params = names.get("fp8") or {}
-    granularity = (fp8_params.get("weight_scales", "per_tensor"), fp8_params.get("activation_scales", "static"))
-    if granularity != ("per_tensor", "static"):
-        summary["fp8_scales"] = {"weights": granularity[0], "activations": granularity[1]}
-    widen = float(names.get("widen_scales", {}).get("factor", 1.0))
-    for name, (weight, bias) in fp8_weights.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        a = amax_doc["amax"][name]
-        setattr(parent, child, FP8Linear(weight, bias, a["input_amax"] * widen, a["weight_amax"], dequant, work,
-                                         call_sites[name], excluded_calls & set(call_sites[name]), *granularity))
-    summary["fp8_layers"] = sorted(fp8_weights)
-    unquantized = {n: sorted(excluded_calls & set(s)) for n, s in call_sites.items() if excluded_calls & set(s)}
-    if unquantized:
-        summary["unquantized_calls"] = unquantized
-    summary["dequantize_dtype"] = str(dequant).removeprefix("torch.") if fp8_weights else None
-    if "widen_scales" in names:
-        summary["activation_scale_factor"] = widen
-    for name, params in transforms:
-        if name in family_transforms:
-            summary.update(family_transforms[name](model, params))
-    return model.eval(), summary

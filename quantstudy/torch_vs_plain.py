@@ -4,7 +4,7 @@
 For each timed model and setting of a run config, the project's baseline and candidate engines are
 the workflow's: `workflow_builds` runs `snakemake --configfile RUN.yaml <their build.json>` in the
 checkout (local hub, checkpoints, samples, calibration and builds, cached as in any run), and
-`measure` opens each build as a measurement job does (steps.open_engines: the backend contract, from
+`measure` opens each build as a measurement job does (steps_engines.open_engines: the backend contract, from
 the build's compiled program on a compiling target). Beside them, the family's plain implementation
 (quantstudy.plain, which says what plain means per family) with the same weights and the same amax,
 opened by the same Runner (torch.compile and CUDA-graph replay on a GPU; eager on the CPU). A row per

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from quantstudy import artifacts, config, families, paths, plain, quantization, steps, timing as qt
+from quantstudy import artifacts, config, families, paths, plain, quantization, steps_engines, timing as qt
 from quantstudy.backends import torch_backend
 from quantstudy.plain import fp8 as plain_fp8
 
@@ -202,7 +202,7 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
     family, st = study.family, study.setting(setting)
     baseline, candidate = study.baseline.of(setting), study.candidate
     on = "" if graph == "main" else f" {graph}"  # in the step names of a family with several graphs
-    example = steps.example_inputs(family, snapshot, graph, st, builds[baseline]["spec"]["precision"])
+    example = steps_engines.example_inputs(family, snapshot, graph, st, builds[baseline]["spec"]["precision"])
     runners, fp8_layers = {}, {}
 
     def opens(engine: str) -> bool:  # a compile worker opens its own engine alone
@@ -212,8 +212,8 @@ def measure_graph(study: config.Study, model: str, setting: str, graph: str, tar
     for v in (baseline, candidate):
         if opens(f"project {v}"):
             with fx_graph_cache() as cache:
-                runners[f"project {v}"] = steps.open_engines(family, builds[v], study.recipe.as_params(), ckpt, st, target,
-                                                             [graph])[graph]
+                runners[f"project {v}"] = steps_engines.open_engines(family, builds[v], study.recipe.as_params(), ckpt, st, target,
+                                                                     [graph])[graph]
             done(f"project {v}{on}: open (compile, capture{cache})")
             opened, engine = runners[f"project {v}"], builds[v]["graphs"][graph]
             project[v] = {"build": study.build_json(target.name, model, setting, v),

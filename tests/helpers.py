@@ -193,7 +193,7 @@ def assert_declares_its_quality_columns(family, evaluation, reference_blocks: di
                                         against=()) -> None:
     """What a family's reference and evaluate wrote is what it declares (Family.quality_columns): the
     config check lets a decision condition name those columns and no other."""
-    from quantstudy.aggregate import flatten
+    from quantstudy.aggregate_rows import flatten
 
     declared = family.quality_columns(list(evaluation_samples), list(against))
     named = lambda blocks: {f"{b}.{m}" for b, metrics in blocks.items() for m in metrics}

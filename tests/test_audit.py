@@ -400,18 +400,18 @@ def test_a_verdicts_number_is_traced_to_the_rows_and_the_division_it_comes_from(
 
 def test_gpt_neos_kl_ratio_on_the_page_is_a_cell_of_tables_json():
     """The GPT-Neo page's "times the fp16 engine's" ratios are each quality row's own column
-    (aggregate.with_ratio), not a division in the template: the chain finds the cell the page shows."""
+    (decision.with_ratio), not a division in the template: the chain finds the cell the page shows."""
     import json
 
     import pandas as pd
 
-    from quantstudy import aggregate
+    from quantstudy import decision
 
     from helpers import ROOT
 
     tables = json.loads((ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json").read_text())
     tables["quality"] = artifacts.plain(
-        aggregate.with_ratio(pd.DataFrame(tables["quality"]), "wikitext.kl_mean", "fp16").to_dict("records"))
+        decision.with_ratio(pd.DataFrame(tables["quality"]), "wikitext.kl_mean", "fp16").to_dict("records"))
     fp8 = next(r for r in tables["quality"] if r["variant"] == "fp8")
     shown = f"{fp8['wikitext.kl_mean / fp16']:.1f}"
     hits = audit_number.shown_hits(tables, None, shown, audit_number.find_number(tables, shown))

@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from quantstudy import backends, export, families, quantization, registry, timing
+from quantstudy import backends, export, families, quantization, registry, timing, transforms
 from quantstudy.families.base import Setting
 
 from helpers import ON_GPU, backend_or_skip, observed_amax, reference_qdq, target_for, tiny_checkpoint
@@ -69,7 +69,7 @@ class Case:
     def fresh(self) -> torch.nn.Module:
         fam = families.get("fnet")
         model = fam.module(self.checkpoint, "main", self.setting)
-        return quantization.apply_variant(model, self.spec, RECIPE, self.amax, fam.transforms())[0]
+        return transforms.apply_variant(model, self.spec, RECIPE, self.amax, fam.transforms())[0]
 
     def onnx(self, batch: int = 1) -> str:
         """The variant exported at a static batch."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from quantstudy import aggregate, bound
+from quantstudy import aggregate_bound, bound
 
 from helpers import skip_without_gpu
 
@@ -128,19 +128,19 @@ ROW = {"target": "cpu-torch", "model": "m", "setting": "w128", "variant": "fp8",
 def test_the_bound_of_a_speed_row_from_its_gemm_and_profile_json():
     gemms = {("cpu-torch", "m", "w128"): ("gemm.json", _gemm_doc())}
     kernels = {("cpu-torch", "m", "w128", "fp16"): ("kernels.json", _kernels_doc())}
-    b = aggregate._bound(ROW, gemms, kernels, "fp16", 0.9)
+    b = aggregate_bound.row_bound(ROW, gemms, kernels, "fp16", 0.9)
     assert b["f"] == pytest.approx(0.5) and b["g"] == pytest.approx(1.5)  # (2 x 1 + 2 x 2) / (2 x 0.5 + 2 x 1.5)
     assert b["bound"] == pytest.approx(1.2) and b["at_limit"] is True  # 1.1 is 92% of 1.2
     assert b["f_source"] == "kernels.json" and b["g_source"] == "gemm.json" and b["bound_note"] is None
-    assert aggregate._bound(ROW | {"x": 0.9}, gemms, kernels, "fp16", 0.9)["at_limit"] is False
-    assert aggregate._bound(ROW, gemms, kernels, "fp16", 0.95)["at_limit"] is False  # the study's threshold
+    assert aggregate_bound.row_bound(ROW | {"x": 0.9}, gemms, kernels, "fp16", 0.9)["at_limit"] is False
+    assert aggregate_bound.row_bound(ROW, gemms, kernels, "fp16", 0.95)["at_limit"] is False  # the study's threshold
     # No FP8 layer in the variant; a failed GEMM job; a failed baseline profile: each says so.
-    assert aggregate._bound(ROW | {"variant": "fp16"}, gemms, kernels, "fp16", 0.9)["bound_note"] == "no FP8 layer"
+    assert aggregate_bound.row_bound(ROW | {"variant": "fp16"}, gemms, kernels, "fp16", 0.9)["bound_note"] == "no FP8 layer"
     failed = {("cpu-torch", "m", "w128"): ("gemm.json", _gemm_doc("failed"))}
-    assert aggregate._bound(ROW, failed, kernels, "fp16", 0.9)["bound_note"] == \
+    assert aggregate_bound.row_bound(ROW, failed, kernels, "fp16", 0.9)["bound_note"] == \
         "GEMM timing failed: RuntimeError: no FP8 GEMM for this shape"
     broken = {("cpu-torch", "m", "w128", "fp16"): ("kernels.json", _kernels_doc("failed"))}
-    b = aggregate._bound(ROW, gemms, broken, "fp16", 0.9)
+    b = aggregate_bound.row_bound(ROW, gemms, broken, "fp16", 0.9)
     assert b["bound"] is None and b["g"] == pytest.approx(1.5)
     assert b["bound_note"] == "profile of the baseline fp16 failed: RuntimeError: profiler crashed"
 
@@ -152,11 +152,11 @@ def test_the_bound_is_rendered_next_to_x_with_its_marker_and_reason():
     macros = environment().get_template("macros.md.j2").module
     gemms = {("cpu-torch", "m", "w128"): ("gemm.json", _gemm_doc())}
     kernels = {("cpu-torch", "m", "w128", "fp16"): ("kernels.json", _kernels_doc())}
-    at = ROW | {"status": "ok"} | aggregate._bound(ROW, gemms, kernels, "fp16", 0.9)
+    at = ROW | {"status": "ok"} | aggregate_bound.row_bound(ROW, gemms, kernels, "fp16", 0.9)
     assert str(macros.bound_cell(at)) == "1.20: hardware limit (f 50.00%, g 1.50)"
-    low = ROW | {"status": "ok", "x": 0.6} | aggregate._bound(ROW | {"x": 0.6}, gemms, kernels, "fp16", 0.9)
+    low = ROW | {"status": "ok", "x": 0.6} | aggregate_bound.row_bound(ROW | {"x": 0.6}, gemms, kernels, "fp16", 0.9)
     assert str(macros.bound_cell(low)) == "1.20: **engine** (x is 50.00% of it) (f 50.00%, g 1.50)"
-    failed = ROW | {"status": "ok"} | aggregate._bound(
+    failed = ROW | {"status": "ok"} | aggregate_bound.row_bound(
         ROW, gemms, {("cpu-torch", "m", "w128", "fp16"): ("kernels.json", _kernels_doc("failed"))}, "fp16", 0.9)
     assert str(macros.bound_cell(failed)) == "profile of the baseline fp16 failed: RuntimeError: profiler crashed"
 
@@ -276,8 +276,8 @@ def test_the_committed_h200_repeat_run_renders_the_bound_that_its_json_gives():
         results.parent / row["g_source"], "gemm"))}
     kernels = {("h200-torch", "fnet-base", "w128", "fp16"): (row["f_source"], artifacts.read_json(
         results.parent / row["f_source"], "kernels"))}
-    again = aggregate._bound(row, gemms, kernels, "fp16", tables["bound"]["at_limit"])
-    assert {k: again[k] for k in aggregate.BOUND_COLUMNS} == {k: row[k] for k in aggregate.BOUND_COLUMNS}
+    again = aggregate_bound.row_bound(row, gemms, kernels, "fp16", tables["bound"]["at_limit"])
+    assert {k: again[k] for k in aggregate_bound.BOUND_COLUMNS} == {k: row[k] for k in aggregate_bound.BOUND_COLUMNS}
     assert row["bound"] == pytest.approx(1 / ((1 - row["f"]) + row["f"] / row["g"]))  # Amdahl, by hand
     assert row["g"] > 1 and row["fp8_emulated"] is False and 0 < row["f"] < 1
     assert row["x"] <= row["bound"] * 1.01 and row["x_jobs_spread"] < 0.01 and len(row["x_by_repeat"]) == 2
@@ -297,10 +297,10 @@ def test_a_profile_far_from_its_timing_withholds_the_bound(timed_ms, withheld):
     gemms = {("cpu-torch", "m", "w128"): ("gemm.json", _gemm_doc())}
     kernels = {("cpu-torch", "m", "w128", "fp16"): ("kernels.json", _kernels_doc())}
     key = {"target": "cpu-torch", "model": "m", "setting": "w128", "graph": "main", "variant": "fp16", "status": "ok"}
-    judged = aggregate._with_timed(pd.DataFrame([{**key, "total_ms": 10.0}]),
-                                   pd.DataFrame([{**key, "variant_ms": timed_ms}]), {"w128": "fp16"}, "fp8").iloc[0].to_dict()
-    b = aggregate._bound(ROW, gemms, kernels, "fp16", 0.9,
-                         {("cpu-torch", "m", "w128", "main", "fp16"): judged})
+    judged = aggregate_bound.with_timed(pd.DataFrame([{**key, "total_ms": 10.0}]),
+                                        pd.DataFrame([{**key, "variant_ms": timed_ms}]), {"w128": "fp16"}, "fp8").iloc[0].to_dict()
+    b = aggregate_bound.row_bound(ROW, gemms, kernels, "fp16", 0.9,
+                                  {("cpu-torch", "m", "w128", "main", "fp16"): judged})
     if withheld:
         assert b["bound"] is None and b["bound_note"].startswith("withheld: the baseline's profile totals 10 ms a call")
         assert f"the {timed_ms:.3g} ms its timing measured" in b["bound_note"]
@@ -320,7 +320,7 @@ def test_each_profile_row_carries_its_timing_and_whether_they_agree():
     speed = pd.DataFrame([{**key, "variant": "fp16", "status": "ok", "variant_ms": 38.5},
                           {**key, "variant": "fp8", "status": "ok", "variant_ms": 38.5},
                           {**key, "variant": "fp32", "status": "failed", "variant_ms": None}])
-    rows = aggregate._with_timed(kernels, speed, {"s": "fp16"}, "fp8").set_index("variant")
+    rows = aggregate_bound.with_timed(kernels, speed, {"s": "fp16"}, "fp8").set_index("variant")
     assert rows.loc["fp16", "profile_agrees"] is False and rows.loc["fp16", "profile_vs_timed"] == pytest.approx(933 / 38.5)
     assert rows.loc["fp8", "profile_agrees"] is True and rows.loc["fp8", "timed_ms"] == 38.5
     assert rows.loc["fp32", "profile_agrees"] is None
@@ -335,7 +335,7 @@ def test_a_baselines_profile_is_set_beside_the_time_the_speed_table_shows():
     kernels = pd.DataFrame([{**key, "variant": "fp16", "total_ms": 2.5}, {**key, "variant": "fp8", "total_ms": 2.0}])
     speed = pd.DataFrame([{**key, "variant": "fp16", "variant_ms": 3.345, "baseline_ms": 3.345},
                           {**key, "variant": "fp8", "variant_ms": 1.9, "baseline_ms": 2.185}])
-    rows = aggregate._with_timed(kernels, speed, {"s": "fp16"}, "fp8").set_index("variant")
+    rows = aggregate_bound.with_timed(kernels, speed, {"s": "fp16"}, "fp8").set_index("variant")
     assert rows.loc["fp16", "timed_ms"] == 2.185 and rows.loc["fp8", "timed_ms"] == 1.9
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantstudy import backends, config, families, quantization, steps
+from quantstudy import backends, config, families, steps, transforms
 from quantstudy.backends import inductor_cache, torch_backend
 from quantstudy.families.base import Setting
 
@@ -46,7 +46,7 @@ def tiny(tmp_path_factory):
     amax = observed_amax(fam.module(folder, "main", setting), [{"input_ids": ids}])
 
     def variant():
-        return quantization.apply_variant(fam.module(folder, "main", setting), FP8, RECIPE, amax, fam.transforms())[0]
+        return transforms.apply_variant(fam.module(folder, "main", setting), FP8, RECIPE, amax, fam.transforms())[0]
     return {"variant": variant, "ids": ids, "example": {"input_ids": ids[:2]}}
 
 
@@ -69,7 +69,7 @@ def _open_in_a_fresh_process(engine_dir, example_rows: int, tmp_path, opens: int
         import json, logging, sys, torch
         sys.path.insert(0, {str(ROOT / 'tests')!r})
         from test_compiled_engine import RECIPE, FP8, {target} as TARGET
-        from quantstudy import backends, config, families, quantization
+        from quantstudy import backends, config, families, quantization, transforms
         from quantstudy.families.base import Setting
         from helpers import observed_amax
         logging.basicConfig(level=logging.INFO)
@@ -83,8 +83,8 @@ def _open_in_a_fresh_process(engine_dir, example_rows: int, tmp_path, opens: int
         example = {{"input_ids": ids[:{example_rows}]}}
         opened = []
         for _ in range({opens}):  # a job may open two engines (an evaluation against another engine)
-            skeleton = quantization.apply_variant(fam.module(folder, "main", setting), FP8, RECIPE, amax,
-                                                  fam.transforms())[0]
+            skeleton = transforms.apply_variant(fam.module(folder, "main", setting), FP8, RECIPE, amax,
+                                                fam.transforms())[0]
             try:
                 runner = backends.get("torch").open({str(engine_dir)!r}, example, TARGET, skeleton)
             except Exception as e:

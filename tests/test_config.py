@@ -462,12 +462,12 @@ def test_a_variants_calibration_method_must_change_something(calibration, messag
 
 
 def test_a_variants_calibration_method_is_one_modelopt_has(tmp_path):
-    """The schema's list of methods is the code's (quantization.CALIBRATION_METHODS)."""
-    from quantstudy import quantization
+    """The schema's list of methods is the code's (calibration.CALIBRATION_METHODS)."""
+    from quantstudy import calibration
 
     schema = yaml.safe_load((ROOT / "config/schemas/study.schema.yaml").read_text())
     listed = schema["properties"]["variants"]["additionalProperties"]["properties"]["calibration"]["properties"]["method"]
-    assert tuple(listed["enum"]) == quantization.CALIBRATION_METHODS
+    assert tuple(listed["enum"]) == calibration.CALIBRATION_METHODS
     doc = study_doc()
     doc["variants"]["fp8-own"] = {"precision": "float16", "transforms": [{"fp8": {}}], "calibration": {"method": "minmax"}}
     with pytest.raises(qc.ConfigError, match="minmax"):

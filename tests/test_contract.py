@@ -26,7 +26,7 @@ import pytest
 import torch
 import yaml
 
-from quantstudy import backend_traits, backends, config, export, families, quantization
+from quantstudy import backend_traits, backends, config, export, families, quantization, transforms
 from quantstudy.families.base import Family, Setting
 
 from helpers import backend_or_skip, observed_amax, target_for
@@ -85,7 +85,8 @@ REL_TOL = {"torch": 0.0, "onnxruntime": 0.06, "tensorrt": 0.06, "torch-cuda": 0.
 RESULTS: list[tuple[str, str, str]] = []  # (family, backend, outcome), printed by conftest's summary
 
 
-GENERIC = ["quantstudy/steps.py", "quantstudy/aggregate.py", "quantstudy/render.py", "quantstudy/config.py",
+GENERIC = ["quantstudy/steps*.py", "quantstudy/aggregate*.py", "quantstudy/decision.py", "quantstudy/published.py",
+           "quantstudy/render.py", "quantstudy/config.py",
            "quantstudy/jobserver.py", "quantstudy/torch_vs_plain*.py", "Snakefile", "rules/*.smk",
            "templates/study.md.j2", "templates/macros.md.j2", "config/schemas/*.yaml", "quantstudy/schemas/*.json"]
 
@@ -207,7 +208,7 @@ class FamilyCase:
             self._amax[graph] = observed_amax(module, [self.inputs(graph, "float32")])
         module = self.fam.module(self.checkpoints[checkpoint], graph, self.case.setting)
         spec = FP32_FP8 if variant == "fp32-fp8" else VARIANTS[variant]
-        return quantization.apply_variant(module, spec, self.recipe, self._amax[graph], self.fam.transforms())[0]
+        return transforms.apply_variant(module, spec, self.recipe, self._amax[graph], self.fam.transforms())[0]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from quantstudy import timing
-from quantstudy import aggregate
+from quantstudy import decision
 
 SPEED = {"name": "speedup at batch 1", "table": "speed", "column": "x", "rows": {"batch": 1}, "reduce": "min",
          "compare": ">=", "threshold": 1.15}
@@ -26,7 +26,7 @@ BASELINES = {"w512": "fp16"}  # every row below is of setting w512
 
 
 def decide(st: dict, tables: dict) -> dict:
-    return aggregate.decide(st, tables, BASELINES)
+    return decision.decide(st, tables, BASELINES)
 
 
 def study(*conditions) -> dict:
@@ -83,7 +83,7 @@ def test_a_failed_candidate_measurement_gives_do_not_ship():
 
 
 def test_a_damaged_candidate_file_gives_do_not_ship():
-    """A candidate's file aggregate could not read is a row of status "damaged" (aggregate._rows): no
+    """A candidate's file aggregate could not read is a row of status "damaged" (aggregate_rows.rows_of): no
     more a success than a failed one, whatever the readable rows meet."""
     q = quality(("fp8", 0.995, 0, "ok"), ("fp8", None, None, "damaged"), ("fp16", 0.999, 0, "ok"))
     d = decide(study(TOP1), {"speed": speed(), "quality": q})
@@ -232,10 +232,10 @@ def test_an_x_whose_interval_straddles_the_threshold_is_within_the_noise_and_say
     by 3% (sd) between jobs: jobs needed = (1.96 x 0.03)^2 / (log(1.2/1.15)^2 - 0.01005^2) = 0.003457 /
     (0.0018115 - 0.000101) = 2.02, so 3."""
     noise = {"x": 0.03, "ms": 0.03}
-    d = aggregate.decide(study(SPEED), {"speed": x_rows((1.2, 1.10, 1.31)), "quality": GOOD_Q}, BASELINES, noise)
+    d = decision.decide(study(SPEED), {"speed": x_rows((1.2, 1.10, 1.31)), "quality": GOOD_Q}, BASELINES, noise)
     c = d["conditions"][0]
     assert c["pass"] is True and c["resolved"] == "within the noise" and c["to_resolve"] == "3 timing jobs a row"
-    clear = aggregate.decide(study(SPEED), {"speed": x_rows((1.2, 1.16, 1.25)), "quality": GOOD_Q}, BASELINES, noise)
+    clear = decision.decide(study(SPEED), {"speed": x_rows((1.2, 1.16, 1.25)), "quality": GOOD_Q}, BASELINES, noise)
     assert clear["conditions"][0]["resolved"] == "met" and clear["within_noise"] == []
 
 
@@ -302,7 +302,7 @@ def test_a_revisit_check_applies_its_condition_to_each_variant_it_names(mse_top1
     failed to build: its failure is shown, and it meets nothing."""
     q = quality(("fp8", 0.95, 0, "ok"), ("fp16", 0.999, 0, "ok"), ("fp8-mse", mse_top1, 0, "ok"),
                 ("fp8-entropy", None, None, "failed"))
-    [check] = aggregate.revisit(revisit_study(CALIBRATED), {"speed": speed(), "quality": q}, BASELINES)
+    [check] = decision.revisit(revisit_study(CALIBRATED), {"speed": speed(), "quality": q}, BASELINES)
     assert check["verdict"] == verdict
     by_variant = {v["variant"]: v for v in check["variants"]}
     assert list(by_variant) == ["fp8-mse", "fp8-entropy"]  # the selector's variants; not fp8, not nvfp4
@@ -313,7 +313,7 @@ def test_a_revisit_check_applies_its_condition_to_each_variant_it_names(mse_top1
 def test_a_revisit_check_is_not_measurable_where_none_of_its_variants_ran():
     q = quality(("fp8", 0.999, 0, "ok"), ("fp16", 0.999, 0, "ok"))
     gone = {"when": "FP8 convolutions", "not_measurable": "no backend here quantizes a convolution"}
-    checks = aggregate.revisit(revisit_study(CALIBRATED, gone), {"speed": speed(), "quality": q}, BASELINES)
+    checks = decision.revisit(revisit_study(CALIBRATED, gone), {"speed": speed(), "quality": q}, BASELINES)
     assert [(c["verdict"], c["reason"]) for c in checks] == [
         ("not measurable in this run", "none of calibration_methods ran in this run"),
         ("not measurable in this run", "no backend here quantizes a convolution")]

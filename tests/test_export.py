@@ -12,7 +12,7 @@ import torch
 from onnx import TensorProto, numpy_helper
 from torch import nn
 
-from quantstudy import config, export, families, quantization
+from quantstudy import config, export, families, quantization, transforms
 from quantstudy.families.base import Setting
 
 from quantstudy.backends.onnxruntime_backend import session as ort_session  # noqa: E402  (pinned: a broken install fails, it does not skip)
@@ -136,8 +136,8 @@ def tiny_fnet(tmp_path_factory):
 def _fnet_variant(fam, folder, spec, window=64):
     model = fam.module(folder, "main", Setting(f"w{window}", 1, {"window": window}))
     amax = {n: {"input_amax": 4.0, "weight_amax": 0.1} for n in quantization.linear_names(model)}
-    return quantization.apply_variant(model, spec, RECIPE, {"amax": amax, "outliers": {"layers": []}},
-                                      fam.transforms())
+    return transforms.apply_variant(model, spec, RECIPE, {"amax": amax, "outliers": {"layers": []}},
+                                    fam.transforms())
 
 
 def test_fnet_fp8_graph_follows_the_recipe(tiny_fnet, tmp_path):

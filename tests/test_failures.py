@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from quantstudy import steps
+from quantstudy import steps, steps_engines, steps_measure
 
 from helpers import CPU_TORCH, FNET_SETTING, ident
 
@@ -20,8 +20,8 @@ ARCHITECTURE = {}  # FNet's graphs do not depend on it
 def built(tiny_inputs, tmp_path_factory):
     """An fp16 engine of the tiny model, built by the build step."""
     out = tmp_path_factory.mktemp("engine") / "fp16" / "build.json"
-    steps.build(ident("fp16"), "fnet", CPU_TORCH, FNET_SETTING, ARCHITECTURE, FP16, tiny_inputs["study"].recipe.as_params(),
-                str(tiny_inputs["checkpoint"]), None, str(out))
+    steps_engines.build(ident("fp16"), "fnet", CPU_TORCH, FNET_SETTING, ARCHITECTURE, FP16, tiny_inputs["study"].recipe.as_params(),
+                        str(tiny_inputs["checkpoint"]), None, str(out))
     assert json.loads(out.read_text())["status"] == "ok"
     return out
 
@@ -35,32 +35,32 @@ def _failed(path, kind: str, words: str) -> None:
 def test_export_failure_is_recorded(tiny_inputs, tmp_path):
     out = tmp_path / "export.json"
     fp8 = {"precision": "float16", "transforms": [{"fp8": {}}]}
-    steps.export({k: v for k, v in ident("fp8").items() if k != "target"}, "fnet", FNET_SETTING, ARCHITECTURE, fp8,
-                 tiny_inputs["study"].recipe.as_params(), str(tiny_inputs["checkpoint"]), None, str(out))
+    steps_engines.export({k: v for k, v in ident("fp8").items() if k != "target"}, "fnet", FNET_SETTING, ARCHITECTURE, fp8,
+                         tiny_inputs["study"].recipe.as_params(), str(tiny_inputs["checkpoint"]), None, str(out))
     _failed(out, "export", "the fp8 transform needs an amax file")
 
 
 def test_time_failure_is_recorded(tiny_inputs, built, tmp_path):
     out = tmp_path / "timing.json"
-    steps.time(ident("fp16"), "fnet", CPU_TORCH, FNET_SETTING, tiny_inputs["study"].recipe.as_params(),
-               {"warmup": 0, "rounds": 0, "calls_per_round": 1}, str(tiny_inputs["checkpoint"]), str(built),
-               str(built), str(out))
+    steps_measure.time(ident("fp16"), "fnet", CPU_TORCH, FNET_SETTING, tiny_inputs["study"].recipe.as_params(),
+                       {"warmup": 0, "rounds": 0, "calls_per_round": 1}, str(tiny_inputs["checkpoint"]), str(built),
+                       str(built), str(out))
     _failed(out, "timing", "timing needs at least one round")
 
 
 def test_profile_failure_is_recorded(tiny_inputs, built, tmp_path):
     out = tmp_path / "kernels.json"
-    steps.profile(ident("fp16"), "fnet", CPU_TORCH, FNET_SETTING, tiny_inputs["study"].recipe.as_params(), 0,
-                  str(tiny_inputs["checkpoint"]), str(built), str(out))
+    steps_measure.profile(ident("fp16"), "fnet", CPU_TORCH, FNET_SETTING, tiny_inputs["study"].recipe.as_params(), 0,
+                          str(tiny_inputs["checkpoint"]), str(built), str(out))
     _failed(out, "kernels", "a kernel profile needs at least one call")
 
 
 def test_evaluate_failure_is_recorded(tiny_inputs, built, tmp_path):
     out = tmp_path / "quality.json"
     missing = tmp_path / "reference.safetensors"  # the reference tensors were never written
-    steps.evaluate(ident("fp16"), "fnet", CPU_TORCH, FNET_SETTING, tiny_inputs["study"].recipe.as_params(),
-                   tiny_inputs["study"].metrics, {"masking": 0, "stress": 0}, str(tiny_inputs["checkpoint"]),
-                   str(built), str(built), str(missing), {}, str(out))
+    steps_measure.evaluate(ident("fp16"), "fnet", CPU_TORCH, FNET_SETTING, tiny_inputs["study"].recipe.as_params(),
+                           tiny_inputs["study"].metrics, {"masking": 0, "stress": 0}, str(tiny_inputs["checkpoint"]),
+                           str(built), str(built), str(missing), {}, str(out))
     doc = json.loads(out.read_text())
     assert doc["status"] == "failed" and "reference.safetensors" in doc["error"]
 
@@ -73,12 +73,12 @@ def test_a_job_on_a_host_without_its_targets_card_stops_before_it_measures_and_w
     out = tmp_path / f"{step}.json"
     with pytest.raises(steps.WrongCard, match="target z999-torch declares gpu z999, but this job runs on "):
         if step == "build":
-            steps.build(ident("fp16"), "fnet", target, FNET_SETTING, ARCHITECTURE, FP16, tiny_inputs["study"].recipe.as_params(),
-                        str(tiny_inputs["checkpoint"]), None, str(out))
+            steps_engines.build(ident("fp16"), "fnet", target, FNET_SETTING, ARCHITECTURE, FP16, tiny_inputs["study"].recipe.as_params(),
+                                str(tiny_inputs["checkpoint"]), None, str(out))
         else:
-            steps.time(ident("fp16"), "fnet", target, FNET_SETTING, tiny_inputs["study"].recipe.as_params(),
-                       {"warmup": 0, "rounds": 1, "calls_per_round": 1}, str(tiny_inputs["checkpoint"]), str(built),
-                       str(built), str(out))
+            steps_measure.time(ident("fp16"), "fnet", target, FNET_SETTING, tiny_inputs["study"].recipe.as_params(),
+                               {"warmup": 0, "rounds": 1, "calls_per_round": 1}, str(tiny_inputs["checkpoint"]), str(built),
+                               str(built), str(out))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -86,7 +86,7 @@ def test_a_failed_row_carries_the_whole_error_text_not_only_the_tracebacks_last_
     """A build that fails with a builder's multi-line error (as TensorRT 11.4's on FP8 out_proj): the
     record keeps the traceback; the table row (what a README renders) has every line of the exception,
     none of the frames."""
-    from quantstudy import aggregate
+    from quantstudy import aggregate_rows
 
     def build_the_plan():
         raise RuntimeError("TensorRT could not build the engine:\n"
@@ -96,9 +96,9 @@ def test_a_failed_row_carries_the_whole_error_text_not_only_the_tracebacks_last_
     out = tmp_path / "cpu-torch/gpt-neo-125m/p256-c256/fp8-out_proj/build.json"
     out.parent.mkdir(parents=True)
     ident = {"target": "cpu-torch", "model": "gpt-neo-125m", "setting": "p256-c256", "variant": "fp8-out_proj"}
-    steps._record("build", "build", str(out), ident, {}, {}, build_the_plan, {"spec": {"precision": "float16"}})
+    steps.record_result("build", "build", str(out), ident, {}, {}, build_the_plan, {"spec": {"precision": "float16"}})
     _failed(out, "build", "builder returned no plan")
-    row = aggregate._rows([str(out)], "build", aggregate._build, []).iloc[0]
+    row = aggregate_rows.rows_of([str(out)], "build", aggregate_rows.build_rows, []).iloc[0]
     assert row["status"] == "failed"
     assert row["error"] == ("RuntimeError: TensorRT could not build the engine: [network] Input 0's element type "
                             "(fp8_e4m3) differs from input 1's element type (half) builder returned no plan")

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from quantstudy import config, export, families, quantization, timing
+from quantstudy import config, export, families, quantization, timing, transforms
 from quantstudy.backends import torch_backend
 from quantstudy.families.base import Setting
 from quantstudy.families.deberta_v2_model import POSITIONS
@@ -62,8 +62,8 @@ def base(checkpoints):
 
 
 def _variant(base, name: str):
-    return quantization.apply_variant(FAMILY.module(base["checkpoint"], "main", SETTING), VARIANTS[name], RECIPE,
-                                      base["amax"])
+    return transforms.apply_variant(FAMILY.module(base["checkpoint"], "main", SETTING), VARIANTS[name], RECIPE,
+                                    base["amax"])
 
 
 @pytest.fixture(scope="module")
@@ -219,13 +219,13 @@ def test_exclude_calls_names_declared_call_sites(base):
     """A recipe without `exclude_calls` quantizes every call (no work-precision path is made); one that
     names a call site no layer declares is refused, and so is a call at an undeclared site."""
     every = {k: v for k, v in RECIPE.items() if k != "exclude_calls"}
-    model, summary = quantization.apply_variant(FAMILY.module(base["checkpoint"], "main", SETTING), FP8, every,
-                                                base["amax"])
+    model, summary = transforms.apply_variant(FAMILY.module(base["checkpoint"], "main", SETTING), FP8, every,
+                                              base["amax"])
     assert "unquantized_calls" not in summary
     assert not [n for n, m in model.named_modules() if isinstance(m, quantization.WorkPrecisionLinear)]
     typo = {"precision": "float16", "transforms": [{"fp8": {"exclude_calls": ["relative_position"]}}]}
     with pytest.raises(ValueError, match="relative_position, which no layer declares"):
-        quantization.apply_variant(FAMILY.module(base["checkpoint"], "main", SETTING), typo, RECIPE, base["amax"])
+        transforms.apply_variant(FAMILY.module(base["checkpoint"], "main", SETTING), typo, RECIPE, base["amax"])
     with pytest.raises(ValueError, match="not a declared call site"):
         quantization.linear_call(torch.nn.Linear(4, 4), torch.zeros(1, 4), POSITIONS)
 
@@ -412,13 +412,13 @@ def eval_samples(checkpoints):
 
 
 def _engine(module, batch: int = 1):
-    """The harness's view (steps._batched_run) of a module run as the engine."""
-    from quantstudy import steps
+    """The harness's view (steps_measure.batched_run) of a module run as the engine."""
+    from quantstudy import steps_measure
 
     def runner(inputs):
         with torch.no_grad():
             return module(**inputs)
-    return steps._batched_run({"main": runner}, batch)
+    return steps_measure.batched_run({"main": runner}, batch)
 
 
 def test_tiny_nli_pairs_are_labelled_like_mnli():

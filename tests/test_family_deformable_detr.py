@@ -14,7 +14,7 @@ from onnx.reference.op_run import OpRun
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from quantstudy import config, export, families, quantization
+from quantstudy import config, export, families, quantization, transforms
 from quantstudy.backends.onnxruntime_backend import session as ort_session
 from quantstudy.families import base
 from quantstudy.families.deformable_detr import SIZE_MAX, SIZE_MIN
@@ -414,8 +414,8 @@ class Variant:
         self.spec = VARIANTS[name]
         self.work = quantization.DTYPES[self.spec["precision"]]
         self.inputs = [quantization.cast_inputs(x, self.spec["precision"]) for x in inputs]
-        fresh = lambda: quantization.apply_variant(fam.module(checkpoint, "main", SETTINGS[0]), self.spec, RECIPE,
-                                                   amax)[0]
+        fresh = lambda: transforms.apply_variant(fam.module(checkpoint, "main", SETTINGS[0]), self.spec, RECIPE,
+                                                 amax)[0]
         self.module = fresh()
         graph = fam.graphs(SETTINGS[0], TINY)["main"]
         self.info = export.export(fresh(), self.inputs[0], folder,

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quantstudy import families, quantization, steps
+from quantstudy import families, steps, transforms
 from quantstudy.families.base import Setting
 
 from helpers import assert_declares_its_quality_columns
@@ -40,8 +40,8 @@ def test_masked_lm_agreement_is_that_of_the_engines_own_features(fam, evaluation
     from transformers import FNetForPreTraining
 
     snapshot, reference, study = evaluation_inputs["snapshot"], evaluation_inputs["reference"], evaluation_inputs["study"]
-    engine = quantization.apply_variant(fam.module(snapshot, "main", SETTING), FP16, study.recipe.as_params(), {},
-                                        fam.transforms())[0].eval()
+    engine = transforms.apply_variant(fam.module(snapshot, "main", SETTING), FP16, study.recipe.as_params(), {},
+                                      fam.transforms())[0].eval()
 
     def run(inputs, what="", whole=False):
         with torch.no_grad():

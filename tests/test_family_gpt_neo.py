@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantstudy import config, export, families, quantization, timing
+from quantstudy import config, export, families, quantization, timing, transforms
 from quantstudy.families import base, gpt_neo_data, gpt_neo_metrics
 
 from helpers import assert_declares_its_quality_columns, observed_amax, tiny_checkpoint
@@ -182,7 +182,7 @@ def exported(fam, checkpoint, tmp_path_factory):
     def get(graph: str, variant: str):
         if (graph, variant) not in made:
             spec = VARIANTS[variant]
-            fresh = lambda: quantization.apply_variant(fam.module(checkpoint, graph, SETTING), spec, RECIPE, amax)
+            fresh = lambda: transforms.apply_variant(fam.module(checkpoint, graph, SETTING), spec, RECIPE, amax)
             model, summary = fresh()
             work = quantization.DTYPES[spec["precision"]]
             # A variant's caches are in its work precision.
@@ -354,12 +354,12 @@ def test_kernel_groups_of_an_eager_fp8_decode(fam, exported):
 # --- the quality steps: data, decode check, reference and evaluate ------------------------------
 
 def _run(fam, checkpoint, setting=SETTING):
-    """The harness's view (steps._batched_run) of the fp32 prefill and decode modules."""
-    from quantstudy import steps
+    """The harness's view (steps_measure.batched_run) of the fp32 prefill and decode modules."""
+    from quantstudy import steps_measure
 
     modules = {g: fam.module(checkpoint, g, setting) for g in ("prefill", "decode")}
     as_runner = lambda m: (lambda inputs: m(**inputs))
-    return steps._batched_run({g: as_runner(m) for g, m in modules.items()}, setting.batch)
+    return steps_measure.batched_run({g: as_runner(m) for g, m in modules.items()}, setting.batch)
 
 
 def _prompts(tokenizer, lengths: list[int], prefill: int) -> tuple[torch.Tensor, torch.Tensor]:

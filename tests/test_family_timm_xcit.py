@@ -15,7 +15,7 @@ import pytest
 import torch
 
 
-from quantstudy import config, export, families, quantization  # noqa: E402
+from quantstudy import config, export, families, quantization, transforms  # noqa: E402
 from quantstudy.families.base import Family, Setting  # noqa: E402
 from quantstudy.families.timm_xcit_data import load_images  # noqa: E402
 
@@ -180,7 +180,7 @@ def exported(fam, tiny, dataset, tmp_path_factory):
     x = torch.cat([batches[0]["pixel_values"][:2], stress_x])
     out = {"variants": {}}
     for name, spec in VARIANTS.items():
-        fresh = lambda: quantization.apply_variant(fam.module(tiny, "main", S224), spec, RECIPE, amax)
+        fresh = lambda: transforms.apply_variant(fam.module(tiny, "main", S224), spec, RECIPE, amax)
         model, summary = fresh()
         rows = quantization.cast_inputs({"pixel_values": x}, spec["precision"])["pixel_values"]
         with torch.no_grad():
@@ -447,7 +447,7 @@ def test_fp8_disagreement_is_measured_against_fp32_and_against_another_engine(fa
     agreement with the reference is what its own top classes say, and `against` compares engines."""
     samples = fam.draw_samples(dataset["rows"], {"kind": "images", "count": 8, "seed": 3, "offset": 0}, None)
     amax = observed_amax(fam.module(tiny, "main", S224), fam.calibration_batches(tiny, samples, S224))
-    fp8, _ = quantization.apply_variant(fam.module(tiny, "main", S224), VARIANTS["fp8"], RECIPE, amax)
+    fp8, _ = transforms.apply_variant(fam.module(tiny, "main", S224), VARIANTS["fp8"], RECIPE, amax)
     run_fp8 = lambda inputs, what="", graph="main", whole=False: {
         "logits": torch.cat([fp8(pixel_values=inputs["pixel_values"][i:i + 1].half())["logits"].float()
                              for i in range(len(inputs["pixel_values"]))])}
@@ -501,7 +501,7 @@ def test_gemm_calls_are_the_recipe_layers_at_the_engines_shapes(fam, tiny, one_c
 
     example = fam.example_inputs(tiny, "main", S224)
     amax = observed_amax(fam.module(tiny, "main", S224), [example])
-    model, summary = quantization.apply_variant(fam.module(tiny, "main", S224), VARIANTS["fp8"], RECIPE, amax)
+    model, summary = transforms.apply_variant(fam.module(tiny, "main", S224), VARIANTS["fp8"], RECIPE, amax)
     calls = gemm.recipe_calls(model, quantization.cast_inputs(example, "float16"))
     c = 64  # tiny embed_dim; mlp ratio 4
     expected = {**{f"blocks.{b}.{layer}": dims for b in (0, 1) for layer, dims in

@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from quantstudy import config as qc, quantization, render, render_formats, render_view, steps
+from quantstudy import config as qc, render, render_formats, render_view, steps, steps_engines, steps_measure, steps_reference, transforms
 
 from helpers import CPU_TORCH, FNET_SETTING, ROOT, ident
 
@@ -59,10 +59,10 @@ def calibrated(tiny_inputs, tmp_path_factory):
     out, study = tmp_path_factory.mktemp("micro"), tiny_inputs["study"]
     checkpoint = str(tiny_inputs["checkpoint"])
     samples = {name: str(tiny_inputs["samples"][name]) for name in study.evaluation_samples}
-    steps.reference("fnet", "fnet-base", FNET_SETTING, study.metrics, study.seeds, checkpoint, samples,
-                    str(out / "reference.json"), str(out / "reference.safetensors"))
-    steps.calibrate("fnet", "fnet-base", FNET_SETTING, study.models["fnet-base"].architecture, study.recipe.as_params(),
-                    checkpoint, str(tiny_inputs["calibration"]), str(out / "amax.json"))
+    steps_reference.reference("fnet", "fnet-base", FNET_SETTING, study.metrics, study.seeds, checkpoint, samples,
+                              str(out / "reference.json"), str(out / "reference.safetensors"))
+    steps_reference.calibrate("fnet", "fnet-base", FNET_SETTING, study.models["fnet-base"].architecture, study.recipe.as_params(),
+                              checkpoint, str(tiny_inputs["calibration"]), str(out / "amax.json"))
     return {"out": out, "study": study, "checkpoint": checkpoint, "samples": samples, "amax": str(out / "amax.json")}
 
 
@@ -71,15 +71,15 @@ def test_an_nvfp4_engine_opens_with_its_calibrated_scales_and_is_evaluated(calib
     its skeleton from the build's record: the NVFP4 layers' activation amax must be in it."""
     c, out = calibrated, calibrated["out"]
     recipe = c["study"].recipe.as_params()
-    steps.build(ident("nvfp4"), "fnet", CPU_TORCH, FNET_SETTING, {}, NVFP4, recipe, c["checkpoint"], c["amax"],
-                str(out / "nvfp4" / "build.json"))
+    steps_engines.build(ident("nvfp4"), "fnet", CPU_TORCH, FNET_SETTING, {}, NVFP4, recipe, c["checkpoint"], c["amax"],
+                        str(out / "nvfp4" / "build.json"))
     build = json.loads((out / "nvfp4" / "build.json").read_text())
     assert build["status"] == "ok", build.get("error")
     assert build["microscaled_layers"] and build["fp8_layers"] == []
     assert set(build["calibration"]["amax"]) == set(build["microscaled_layers"])
-    steps.evaluate(ident("nvfp4"), "fnet", CPU_TORCH, FNET_SETTING, recipe, c["study"].metrics, c["study"].seeds,
-                   c["checkpoint"], str(out / "nvfp4" / "build.json"), str(out / "reference.json"),
-                   str(out / "reference.safetensors"), c["samples"], str(out / "nvfp4" / "quality.json"))
+    steps_measure.evaluate(ident("nvfp4"), "fnet", CPU_TORCH, FNET_SETTING, recipe, c["study"].metrics, c["study"].seeds,
+                           c["checkpoint"], str(out / "nvfp4" / "build.json"), str(out / "reference.json"),
+                           str(out / "reference.safetensors"), c["samples"], str(out / "nvfp4" / "quality.json"))
     quality = json.loads((out / "nvfp4" / "quality.json").read_text())
     assert quality["status"] == "ok", quality.get("error")
     # NVFP4 moves the features off the fp32 reference, by much more than nothing and less than everything
@@ -90,8 +90,8 @@ def test_a_microscaled_variants_export_is_a_recorded_failure_with_the_reason(cal
     """The ONNX a TensorRT or ONNX Runtime target builds from has no block-scaled form here: the export step
     records why, rather than write a graph whose fake-quant ops an engine would time as NVFP4."""
     c, out = calibrated, calibrated["out"] / "onnx-nvfp4" / "export.json"
-    steps.export({k: v for k, v in ident("nvfp4").items() if k != "target"}, "fnet", FNET_SETTING, {}, NVFP4,
-                 c["study"].recipe.as_params(), c["checkpoint"], c["amax"], str(out))
+    steps_engines.export({k: v for k, v in ident("nvfp4").items() if k != "target"}, "fnet", FNET_SETTING, {}, NVFP4,
+                         c["study"].recipe.as_params(), c["checkpoint"], c["amax"], str(out))
     doc = json.loads(out.read_text())
     assert doc["status"] == "failed" and "NVFP4 layers have no ONNX form here" in doc["error"]
 
@@ -106,11 +106,11 @@ def test_a_width_the_block_does_not_divide_is_the_variants_recorded_failure(tiny
     checkpoint = str(tmp_path / "checkpoint.json")
     steps.fetch_checkpoint(repo, revision, cache, True, "tiny-random-init", checkpoint)
     recipe = tiny_inputs["study"].recipe.as_params()
-    steps.calibrate("fnet", "fnet-40", FNET_SETTING, arch, recipe, checkpoint, str(tiny_inputs["calibration"]),
-                    str(tmp_path / "amax.json"))
+    steps_reference.calibrate("fnet", "fnet-40", FNET_SETTING, arch, recipe, checkpoint, str(tiny_inputs["calibration"]),
+                              str(tmp_path / "amax.json"))
     out = tmp_path / "nvfp4" / "build.json"
-    steps.build(ident("nvfp4", "fnet-40"), "fnet", CPU_TORCH, FNET_SETTING, arch, NVFP4, recipe, checkpoint,
-                str(tmp_path / "amax.json"), str(out))
+    steps_engines.build(ident("nvfp4", "fnet-40"), "fnet", CPU_TORCH, FNET_SETTING, arch, NVFP4, recipe, checkpoint,
+                        str(tmp_path / "amax.json"), str(out))
     doc = json.loads(out.read_text())
     assert doc["status"] == "failed"
     assert "nvfp4 scales blocks of 16" in doc["error"] and "fnet.encoder.layer.0.intermediate.dense (40)" in doc["error"]
@@ -141,7 +141,7 @@ def test_a_layer_called_at_a_declared_site_is_microscaled_there_unless_the_recip
     calls: dict[str, list] = {}
 
     def run(spec, kind):
-        model, summary = quantization.apply_variant(fam.module(ckpt, "main", setting), spec, recipe, amax)
+        model, summary = transforms.apply_variant(fam.module(ckpt, "main", setting), spec, recipe, amax)
         for name, m in model.named_modules():
             if name.endswith(("layer.0.attention.self.query_proj", "layer.0.attention.self.query_proj.work_precision")):
                 m.register_forward_hook(lambda m, i, o, name=name: calls.setdefault(f"{kind} {name}", []).append(o))
@@ -163,9 +163,9 @@ def test_a_layer_called_at_a_declared_site_is_microscaled_there_unless_the_recip
 def test_a_blackwell_target_records_that_no_backend_builds_a_block_scaled_engine():
     b200 = qc.Target("b200-trt11.4", **B200)
     with pytest.raises(NotImplementedError, match="no backend implements an NVFP4 engine yet: target b200-trt11.4"):
-        quantization.refuse_block_scaled_engine(NVFP4, b200)
-    quantization.refuse_block_scaled_engine(NVFP4, qc.Target.from_params(CPU_TORCH))  # quality, by fake-quant
-    quantization.refuse_block_scaled_engine({"precision": "float16", "transforms": [{"fp8": {}}]}, b200)
+        transforms.refuse_block_scaled_engine(NVFP4, b200)
+    transforms.refuse_block_scaled_engine(NVFP4, qc.Target.from_params(CPU_TORCH))  # quality, by fake-quant
+    transforms.refuse_block_scaled_engine({"precision": "float16", "transforms": [{"fp8": {}}]}, b200)
 
 
 # --- the README ------------------------------------------------------------------------------
@@ -257,12 +257,12 @@ def test_the_plot_lists_the_variants_whose_speed_needs_a_blackwell_gpu():
 
 
 def test_a_builds_row_counts_its_microscaled_layers_only_where_it_has_some():
-    from quantstudy import aggregate
+    from quantstudy import aggregate_rows
 
     doc = {"engine_bytes": 10, "fp8_layers": [], "precision": "float16", "graphs": {"main": {"engine_bytes": 10}}}
-    row, = aggregate._build({**doc, "microscaled_layers": ["a", "b"], "microscaling_format": "mxfp8"})
+    row, = aggregate_rows.build_rows({**doc, "microscaled_layers": ["a", "b"], "microscaling_format": "mxfp8"})
     assert row["microscaled_layers"] == 2 and row["microscaling_format"] == "mxfp8" and row["fp8_layers"] == 0
-    row, = aggregate._build(doc)  # the main job's tables keep their columns
+    row, = aggregate_rows.build_rows(doc)  # the main job's tables keep their columns
     assert "microscaled_layers" not in row
 
 

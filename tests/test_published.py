@@ -10,8 +10,9 @@ import re
 import pytest
 import yaml
 
-from quantstudy import aggregate, render, render_formats
+from quantstudy import aggregate, decision, render, render_formats
 from quantstudy import config as qc
+from quantstudy.published import compare_published
 
 from helpers import ROOT
 
@@ -146,7 +147,7 @@ def hand_published(tmp_path):
 
 
 def test_difference_and_tolerance_by_hand(hand_published):
-    rows = aggregate.compare_published(hand_published, hand_tables(), "checkpoint", ["b200-trt11.4"])
+    rows = compare_published(hand_published, hand_tables(), "checkpoint", ["b200-trt11.4"])
     by = {(r["published_source"]["title"], r["published_source"]["row"], r["published_source"]["column"]): r for r in rows}
     # 0.80 ms against 0.752: +0.048, more than 5% of 0.752 (0.0376)
     r = by[("Speed", "256", "FP8")]
@@ -179,7 +180,7 @@ def test_difference_and_tolerance_by_hand(hand_published):
 
 
 def test_a_run_on_other_weights_reproduces_nothing(hand_published):
-    rows = aggregate.compare_published(hand_published, hand_tables(), "tiny-random-init", ["b200-trt11.4"])
+    rows = compare_published(hand_published, hand_tables(), "tiny-random-init", ["b200-trt11.4"])
     assert {r["status"] for r in rows} == {"not reproduced here"}
     assert {r["reason"] for r in rows} == {"this run's weights are tiny-random-init, not the write-up's (checkpoint)"}
 
@@ -191,8 +192,8 @@ def evidence_tables(study: str) -> dict:
     t = json.loads((ROOT / EVIDENCE[study]).read_text())
     t.setdefault("damaged", [])
     published = qc.load_published(f"config/published/{study}.yaml")
-    t["published"] = aggregate.compare_published(published, {k: t[k] for k in ("speed", "quality", "builds", "kernels", "references")},
-                                                 t["run"]["weights"], t["targets"])
+    t["published"] = compare_published(published, {k: t[k] for k in ("speed", "quality", "builds", "kernels", "references")},
+                                       t["run"]["weights"], t["targets"])
     t["published_from"] = {k: published[k] for k in ("file", "seed", "weights", "runs", "tolerances", "differs", "left_out")}
     return t
 
@@ -237,9 +238,9 @@ def test_flagged_and_unreproduced_rows_are_marked():
             for s in ("w256", "w128")]
     rows[0].update(target="b200-trt11.4", x=1.0201)   # 1.05 published: -0.03, beyond 0.02
     rows[1].update(target="b200-trt11.4", x=1.1049)   # 1.11 published: -0.0051, within
-    t["published"] = aggregate.compare_published(qc.load_published("config/published/fnet.yaml"),
-                                                 {"speed": rows, "quality": [], "builds": [], "kernels": [], "references": []},
-                                                 "checkpoint", t["targets"])
+    t["published"] = compare_published(qc.load_published("config/published/fnet.yaml"),
+                                       {"speed": rows, "quality": [], "builds": [], "kernels": [], "references": []},
+                                       "checkpoint", t["targets"])
     lines = section_lines(render.render_section(t))
     # x and FP8 ms of both rows: 0.535 ms against 0.466 and 0.403 against 0.371 are beyond 5% as well
     left_out = len(published_doc("fnet")["left_out"])
@@ -331,7 +332,7 @@ def test_detrs_held_out_metrics_say_wherever_compared_that_they_are_not_on_the_w
     for weights in ("real-size-random-init", "checkpoint"):
         t = json.loads(path.read_text())
         t["run"]["weights"] = weights
-        t["published"] = aggregate.compare_published(
+        t["published"] = compare_published(
             published, {k: t[k] for k in ("speed", "quality", "builds", "kernels", "references")}, weights,
             t["targets"])
         t["published_from"] = {
@@ -404,7 +405,7 @@ def test_gpt_neos_per_variant_kl_ratios_are_compared_with_the_write_ups():
     t = json.loads((ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json").read_text())
     quality = pd.DataFrame(t["quality"])
     floor = {r["setting"]: r["wikitext.kl_mean"] for r in t["quality"] if r["variant"] == "fp16"}
-    rows = aggregate.with_ratio(quality, "wikitext.kl_mean", "fp16")
+    rows = decision.with_ratio(quality, "wikitext.kl_mean", "fp16")
     for r in rows.to_dict("records"):
         assert r["wikitext.kl_mean / fp16"] == pytest.approx(r["wikitext.kl_mean"] / floor[r["setting"]])
     study = qc.load_study(ROOT / "config/studies/gpt_neo.yaml", [ROOT / "config/tiny/gpt_neo.yaml"], against_code=False)
@@ -413,16 +414,16 @@ def test_gpt_neos_per_variant_kl_ratios_are_compared_with_the_write_ups():
 
     records = rows.assign(target="b200-trt11.4").to_dict("records")
     published = qc.load_published("config/published/gpt_neo.yaml")
-    compared = aggregate.compare_published(published, {"speed": [], "quality": records, "builds": [], "kernels": [],
-                                                       "references": []}, "checkpoint", ["b200-trt11.4"])
+    compared = compare_published(published, {"speed": [], "quality": records, "builds": [], "kernels": [],
+                                             "references": []}, "checkpoint", ["b200-trt11.4"])
     c_fc = next(r for r in compared if r["column"] == "wikitext.kl_mean / fp16" and r["variant"] == "fp8-c_fc")
     assert c_fc["status"] == "not reproduced here" and "b300-trt11.4" in c_fc["reason"]  # every target of the write-up
     only_b200 = copy.deepcopy(published)
     for e in only_b200["entries"]:
         if e["column"] == "wikitext.kl_mean / fp16":
             e["target"] = "b200-trt11.4"
-    compared = aggregate.compare_published(only_b200, {"speed": [], "quality": records, "builds": [], "kernels": [],
-                                                       "references": []}, "checkpoint", ["b200-trt11.4"])
+    compared = compare_published(only_b200, {"speed": [], "quality": records, "builds": [], "kernels": [],
+                                             "references": []}, "checkpoint", ["b200-trt11.4"])
     c_fc = next(r for r in compared if r["column"] == "wikitext.kl_mean / fp16" and r["variant"] == "fp8-c_fc")
     ours = next(r for r in t["quality"] if r["variant"] == "fp8-c_fc")["wikitext.kl_mean"] / floor["p256-c256"]
     assert c_fc["status"] == "reproduced" and c_fc["reproduced_min"] == pytest.approx(ours)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from quantstudy import steps
+from quantstudy import steps_engines, steps_measure, steps_reference
 
 from helpers import CPU_TORCH, FNET_SETTING, ident
 
@@ -25,23 +25,23 @@ def measured(tiny_inputs, tmp_path_factory):
     out, study = tmp_path_factory.mktemp("against"), tiny_inputs["study"]
     checkpoint = str(tiny_inputs["checkpoint"])
     samples = {name: str(tiny_inputs["samples"][name]) for name in study.evaluation_samples}
-    steps.reference("fnet", "fnet-base", FNET_SETTING, study.metrics, study.seeds, checkpoint, samples,
-                    str(out / "reference.json"), str(out / "reference.safetensors"))
-    steps.calibrate("fnet", "fnet-base", FNET_SETTING, study.models["fnet-base"].architecture, study.recipe.as_params(), checkpoint,
-                    str(tiny_inputs["calibration"]), str(out / "amax.json"))
+    steps_reference.reference("fnet", "fnet-base", FNET_SETTING, study.metrics, study.seeds, checkpoint, samples,
+                              str(out / "reference.json"), str(out / "reference.safetensors"))
+    steps_reference.calibrate("fnet", "fnet-base", FNET_SETTING, study.models["fnet-base"].architecture, study.recipe.as_params(),
+                              checkpoint, str(tiny_inputs["calibration"]), str(out / "amax.json"))
     builds = {}
     for variant, spec in SPECS.items():
         builds[variant] = str(out / variant / "build.json")
-        steps.build(ident(variant), "fnet", CPU_TORCH, FNET_SETTING, {}, spec, study.recipe.as_params(), checkpoint,
-                    str(out / "amax.json") if "fp8" in variant else None, builds[variant])
+        steps_engines.build(ident(variant), "fnet", CPU_TORCH, FNET_SETTING, {}, spec, study.recipe.as_params(), checkpoint,
+                            str(out / "amax.json") if "fp8" in variant else None, builds[variant])
     return {"out": out, "study": study, "checkpoint": checkpoint, "samples": samples, "builds": builds}
 
 
 def evaluate(m, variant: str, against: dict[str, str], out) -> dict:
     study = m["study"]
-    steps.evaluate(ident(variant), "fnet", CPU_TORCH, FNET_SETTING, study.recipe.as_params(), study.metrics, study.seeds,
-                   m["checkpoint"], m["builds"][variant], str(m["out"] / "reference.json"),
-                   str(m["out"] / "reference.safetensors"), m["samples"], str(out), against_builds=against)
+    steps_measure.evaluate(ident(variant), "fnet", CPU_TORCH, FNET_SETTING, study.recipe.as_params(), study.metrics, study.seeds,
+                           m["checkpoint"], m["builds"][variant], str(m["out"] / "reference.json"),
+                           str(m["out"] / "reference.safetensors"), m["samples"], str(out), against_builds=against)
     return json.loads(out.read_text())
 
 

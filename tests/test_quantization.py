@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from quantstudy import quantization as q, steps
+from quantstudy import calibration as qcal, quantization as q, steps_reference, transforms as qtr
 
 from helpers import reference_qdq
 
@@ -44,7 +44,7 @@ def test_select_and_outlier_rule():
     assert q.select(names, ["a.*.output.dense"]) == ["a.0.output.dense", "a.1.output.dense"]
     amax = {n: {"input_amax": 1.0, "weight_amax": 1.0} for n in names}
     amax["a.1.output.dense"]["input_amax"] = 30.0
-    report = q.outliers(amax, names[:3], 20)
+    report = qcal.outliers(amax, names[:3], 20)
     assert report["layers"] == ["a.1.output.dense"] and report["largest_ratio"]["input_amax"] == 30.0
 
 
@@ -55,7 +55,7 @@ def test_the_outlier_rule_reads_weights_too_and_a_scale_at_the_ratio_is_not_an_o
     amax = {n: {"input_amax": 1.0, "weight_amax": 1.0} for n in names}
     amax["h.2.fc"]["weight_amax"] = 25.0
     amax["h.1.fc"]["input_amax"] = 20.0
-    report = q.outliers(amax, names, 20)
+    report = qcal.outliers(amax, names, 20)
     assert report["layers"] == ["h.2.fc"]
     assert report["largest_ratio"] == {"input_amax": 20.0, "weight_amax": 25.0}
 
@@ -63,9 +63,9 @@ def test_the_outlier_rule_reads_weights_too_and_a_scale_at_the_ratio_is_not_an_o
 def test_a_variants_exclude_takes_its_layers_out_of_the_recipe():
     names = [f"h.{i}.{k}" for i in range(2) for k in ("q", "o", "fc")]
     recipe = {"quantize": ["h.*.q", "h.*.fc"]}
-    assert q.fp8_layers(names, recipe, {}, []) == ["h.0.q", "h.0.fc", "h.1.q", "h.1.fc"]
-    assert q.fp8_layers(names, recipe, {"exclude": ["*.fc"]}, []) == ["h.0.q", "h.1.q"]
-    assert q.fp8_layers(names, recipe, {"exclude": ["h.1.*"]}, []) == ["h.0.q", "h.0.fc"]
+    assert qtr.fp8_layers(names, recipe, {}, []) == ["h.0.q", "h.0.fc", "h.1.q", "h.1.fc"]
+    assert qtr.fp8_layers(names, recipe, {"exclude": ["*.fc"]}, []) == ["h.0.q", "h.1.q"]
+    assert qtr.fp8_layers(names, recipe, {"exclude": ["h.1.*"]}, []) == ["h.0.q", "h.0.fc"]
 
 
 def test_fp32_dequantize_dequantizes_to_fp32():
@@ -86,8 +86,8 @@ def test_fp32_dequantize_dequantizes_to_fp32():
         return torch.nn.functional.linear(xq, wq, b.half().to(dq)).half()
 
     for transforms, dq in (([{"fp8": {}}], torch.float16), ([{"fp8": {}}, {"fp32_dequantize": {}}], torch.float32)):
-        variant, summary = q.apply_variant(copy.deepcopy(model), {"precision": "float16", "transforms": transforms},
-                                           recipe, amax)
+        variant, summary = qtr.apply_variant(copy.deepcopy(model), {"precision": "float16", "transforms": transforms},
+                                             recipe, amax)
         assert summary["dequantize_dtype"] == str(dq).removeprefix("torch."), transforms
         with torch.no_grad():
             got = variant(x.half())
@@ -100,10 +100,10 @@ def test_fp8_layers_add_extends_the_recipe_without_repeating_it():
     outliers still apply to the whole."""
     names = [f"h.{i}.{k}" for i in range(3) for k in ("q", "o", "fc")]
     recipe = {"quantize": ["h.*.q", "h.*.fc"]}
-    assert q.fp8_layers(names, recipe, {"add": ["h.*.o"]}, []) == names
-    assert q.fp8_layers(names, recipe, {"include": ["h.*.fc"], "add": ["h.*.o"]}, []) == \
+    assert qtr.fp8_layers(names, recipe, {"add": ["h.*.o"]}, []) == names
+    assert qtr.fp8_layers(names, recipe, {"include": ["h.*.fc"], "add": ["h.*.o"]}, []) == \
         ["h.0.o", "h.0.fc", "h.1.o", "h.1.fc", "h.2.o", "h.2.fc"]
-    assert q.fp8_layers(names, recipe, {"add": ["h.*.o"], "keep_edge_blocks": 1}, ["h.1.q"]) == ["h.1.o", "h.1.fc"]
+    assert qtr.fp8_layers(names, recipe, {"add": ["h.*.o"], "keep_edge_blocks": 1}, ["h.1.q"]) == ["h.1.o", "h.1.fc"]
 
 
 def test_amax_file_is_deterministic(tiny_inputs, tmp_path):
@@ -111,9 +111,9 @@ def test_amax_file_is_deterministic(tiny_inputs, tmp_path):
     docs = []
     for i in range(2):
         out = tmp_path / f"amax{i}.json"
-        steps.calibrate(study.family, "fnet-base", {"name": "w128", "batch": 1, "shape": {"window": 128}},
-                        study.models["fnet-base"].architecture, study.recipe.as_params(), str(tiny_inputs["checkpoint"]),
-                        str(tiny_inputs["calibration"]), str(out))
+        steps_reference.calibrate(study.family, "fnet-base", {"name": "w128", "batch": 1, "shape": {"window": 128}},
+                                  study.models["fnet-base"].architecture, study.recipe.as_params(), str(tiny_inputs["checkpoint"]),
+                                  str(tiny_inputs["calibration"]), str(out))
         docs.append(json.loads(out.read_text()))
     assert docs[0]["amax"] == docs[1]["amax"]
     assert len(docs[0]["recipe_layers"]) == 2 * 2  # intermediate.dense and output.dense of 2 layers
@@ -129,8 +129,8 @@ def test_widen_scales_multiplies_each_fp8_layers_activation_amax():
     amax = {"amax": {"0": {"input_amax": 2.0, "weight_amax": 0.5}, "2": {"input_amax": 4.0, "weight_amax": 0.25}},
             "outliers": {"layers": []}}
     recipe = {"quantize": ["0", "2"], "dequantize_dtype": "float32"}
-    plain, _ = q.apply_variant(copy.deepcopy(model), {"precision": "float32", "transforms": [{"fp8": {}}]}, recipe, amax)
-    wide, summary = q.apply_variant(copy.deepcopy(model), {"precision": "float32", "transforms": [
+    plain, _ = qtr.apply_variant(copy.deepcopy(model), {"precision": "float32", "transforms": [{"fp8": {}}]}, recipe, amax)
+    wide, summary = qtr.apply_variant(copy.deepcopy(model), {"precision": "float32", "transforms": [
         {"fp8": {}}, {"widen_scales": {"factor": 1.5}}]}, recipe, amax)
     assert summary["activation_scale_factor"] == 1.5
     for name, input_amax in (("0", 2.0), ("2", 4.0)):
@@ -165,7 +165,7 @@ def test_max_calibration_is_the_largest_input_and_weight_seen():
     model, batches = _outlier_stack()
     first = model[0].weight.detach().abs().max()
     inputs = torch.cat([b["input"] for b in batches]).abs().max()
-    amax = q.calibrate(model, batches)
+    amax = qcal.calibrate(model, batches)
     assert amax["0"]["input_amax"] == pytest.approx(float(inputs)) and amax["0"]["weight_amax"] == pytest.approx(float(first))
 
 
@@ -175,7 +175,7 @@ def test_percentile_calibration_is_the_inputs_percentile_within_a_histogram_bin(
     later batches exceed it: measured 30.48 against 30.13); the weights stay at max."""
     model, batches = _outlier_stack()
     x = torch.cat([b["input"] for b in batches]).abs().flatten().double()
-    amax = q.calibrate(model, batches, method={"method": "percentile", "percentile": 99.0})
+    amax = qcal.calibrate(model, batches, method={"method": "percentile", "percentile": 99.0})
     assert amax["0"]["input_amax"] == pytest.approx(float(torch.quantile(x, 0.99)), rel=0.02)
     assert amax["0"]["input_amax"] < 0.6 * float(x.max())  # the outlier tail clipped, unlike max
     assert amax["0"]["weight_amax"] == pytest.approx(float(model[0].weight.detach().abs().max()))
@@ -196,37 +196,37 @@ def test_mse_calibration_picks_the_weight_amax_of_least_squared_error_and_keeps_
     errors = torch.stack([((_e4m3_fake_quant(w, float(a)) - w) ** 2).sum() for a in candidates])
     best = float(candidates[errors.argmin()])
     assert best != pytest.approx(float(w.abs().max()))  # the hand-computed case moves the weight amax
-    by_max = q.calibrate(copy.deepcopy(model), batches)
-    amax = q.calibrate(model, batches, method={"method": "mse"})
+    by_max = qcal.calibrate(copy.deepcopy(model), batches)
+    amax = qcal.calibrate(model, batches, method={"method": "mse"})
     assert amax["0"]["weight_amax"] == pytest.approx(best, rel=1e-5)
     assert amax["0"]["input_amax"] == by_max["0"]["input_amax"]
 
 
 def test_a_variants_method_reports_the_layers_it_moved_from_max():
     model, batches = _outlier_stack()
-    amax, changed = q.calibrate_method(model, batches, {"method": "percentile", "percentile": 99.0})
+    amax, changed = qcal.calibrate_method(model, batches, {"method": "percentile", "percentile": 99.0})
     assert changed == {"input_amax": ["0", "2"], "weight_amax": []}
 
 
 def test_a_method_that_moves_no_amax_is_not_applicable():
     """0.47's local_hessian calibrates no FP8 per-tensor weight: every amax stays max's, so it is no method here."""
     model, batches = _outlier_stack()
-    with pytest.raises(q.NotApplicable, match="local_hessian gives every layer max calibration's amax"):
-        q.calibrate_method(model, batches, {"method": "local_hessian"})
+    with pytest.raises(qcal.NotApplicable, match="local_hessian gives every layer max calibration's amax"):
+        qcal.calibrate_method(model, batches, {"method": "local_hessian"})
 
 
 @pytest.mark.parametrize("method", [{"method": "entropy"}, {"method": "histogram_mse"},
                                     {"method": "smoothquant", "alpha": 0.5}])
 def test_a_method_modelopt_does_not_apply_to_fp8_says_so(method):
     model, batches = _outlier_stack()
-    with pytest.raises(q.NotApplicable, match="ModelOpt 0.47"):
-        q.calibrate(model, batches, method=method)
+    with pytest.raises(qcal.NotApplicable, match="ModelOpt 0.47"):
+        qcal.calibrate(model, batches, method=method)
 
 
 def test_an_unknown_calibration_method_is_refused():
     model, batches = _outlier_stack()
     with pytest.raises(ValueError, match="not one of max, mse"):
-        q.calibrate(model, batches, method={"method": "minmax"})
+        qcal.calibrate(model, batches, method={"method": "minmax"})
 
 
 def test_nvfp4_rounds_each_value_to_the_e2m1_grid_times_its_block_scale():
@@ -253,17 +253,18 @@ def test_mxfp8_scales_each_block_of_32_by_a_power_of_two():
 
 def test_the_microscaling_transform_replaces_the_recipes_layers_and_reads_the_calibrated_amax():
     model, batches = _outlier_stack()
-    amax = {"amax": q.calibrate(copy.deepcopy(model), batches), "outliers": {"layers": []}}
+    amax = {"amax": qcal.calibrate(copy.deepcopy(model), batches), "outliers": {"layers": []}}
     x = batches[0]["input"]
     spec = {"precision": "float32", "transforms": [{"microscaling": {"format": "nvfp4", "exclude": ["2"]}}]}
-    got, summary = q.apply_variant(copy.deepcopy(model), spec, {"quantize": ["*"], "dequantize_dtype": "float32"}, amax)
+    got, summary = qtr.apply_variant(copy.deepcopy(model), spec, {"quantize": ["*"], "dequantize_dtype": "float32"}, amax)
     assert summary["microscaled_layers"] == ["0"] and summary["microscaling_format"] == "nvfp4"
     first = q.microscaled(x, "nvfp4", amax["amax"]["0"]["input_amax"]) @ q.microscaled(model[0].weight.detach(), "nvfp4").T
     want = model[2](model[1](first + model[0].bias))
     assert torch.allclose(got(x), want, atol=1e-5)
     with pytest.raises(ValueError, match="not both"):
-        q.apply_variant(copy.deepcopy(model), {"precision": "float32", "transforms": [{"fp8": {}}, {"microscaling": {"format": "mxfp8"}}]},
-                        {"quantize": ["*"], "dequantize_dtype": "float32"}, amax)
+        qtr.apply_variant(copy.deepcopy(model),
+                          {"precision": "float32", "transforms": [{"fp8": {}}, {"microscaling": {"format": "mxfp8"}}]},
+                          {"quantize": ["*"], "dequantize_dtype": "float32"}, amax)
 
 
 def test_per_channel_and_per_token_scales_round_each_row_by_its_own_amax():

@@ -54,12 +54,12 @@ def test_a_failed_gpt_neo_variant_shows_its_error_text_in_the_variants_table():
     (its timing and evaluation failed with it): that variant's row in the variants table names the
     failed file and the whole error; the other variants keep their numbers, and the speed-bar list
     is computed from the rows that were measured."""
-    from quantstudy import aggregate, artifacts
+    from quantstudy import aggregate_rows, artifacts
 
     from helpers import ROOT
 
     tables = artifacts.read_json(ROOT / "results/h200-gpt-neo/gpt_neo/results/gpt_neo/tables.json", "tables")
-    error = aggregate.exception_text(
+    error = aggregate_rows.exception_text(
         "Traceback (most recent call last):\n  File \"x.py\", line 1, in build\n    plan = builder.build()\n"
         "RuntimeError: TensorRT could not build the engine:\n"
         "Input 0's element type (fp8_e4m3) differs from input 1's element type (half)\n")
@@ -379,7 +379,7 @@ def test_gpt_neos_method_names_the_dtype_its_reference_files_record():
 
     import yaml
 
-    from quantstudy import aggregate, artifacts, config as qc
+    from quantstudy import aggregate, aggregate_rows, artifacts, config as qc
 
     from helpers import ROOT
 
@@ -389,7 +389,7 @@ def test_gpt_neos_method_names_the_dtype_its_reference_files_record():
     recorded = {json.loads(Path(p).read_text())["dtype"] for p in paths}
     assert recorded == {"bfloat16"}
     settings = {name: qc.shape_of(s) for name, s in tables["spec"]["settings"].items()}
-    tables["references"] = aggregate.reference_rows(paths, settings, [])
+    tables["references"] = aggregate_rows.reference_rows(paths, settings, [])
     lines = render.render_section(tables).splitlines()
     method = [line for line in lines if line.startswith("- Reference: Transformers `GPTNeoForCausalLM`")]
     assert len(method) == 1 and " in bfloat16 (eager attention)" in method[0]

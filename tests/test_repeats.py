@@ -12,7 +12,7 @@ import statistics
 import pytest
 import yaml
 
-from quantstudy import aggregate, artifacts, config as qc, render, render_formats
+from quantstudy import aggregate_rows, artifacts, config as qc, render, render_formats
 
 from helpers import ROOT, TEST_CONFIG, study_doc
 
@@ -53,7 +53,7 @@ def test_across_repeats_by_hand():
     """Three jobs of one variant, in the order the files come: x 1.05, 1.00, 1.02 (repeats 3, 1, 2)."""
     jobs = [_job(3, 1.05, 0.95, 1.00, 1.01, 1.09), _job(1, 1.00, 1.00, 1.00, 0.97, 1.03),
             _job(2, 1.02, 0.98, 1.00, 0.99, 1.04)]
-    [row] = aggregate.across_repeats(jobs)
+    [row] = aggregate_rows.across_repeats(jobs)
     assert row["repeats"] == 3 and "repeat" not in row
     assert row["x_by_repeat"] == [1.00, 1.02, 1.05]  # in repeat order
     assert row["x"] == 1.02  # the median job's x
@@ -63,15 +63,15 @@ def test_across_repeats_by_hand():
     assert row["x_jobs_spread"] == pytest.approx(0.05 / 1.02)
     assert row["source"].endswith("/timing.json") and len(row["timing_sources"]) == 3
     # Two jobs: the median is their mean.
-    [two] = aggregate.across_repeats(jobs[1:])
+    [two] = aggregate_rows.across_repeats(jobs[1:])
     assert two["x"] == pytest.approx(1.01) and two["x_jobs_spread"] == pytest.approx(0.02 / 1.01)
 
 
 def test_one_job_measures_no_spread_and_a_failed_job_is_the_row():
-    [one] = aggregate.across_repeats([_job(1, 1.00, 1.0, 1.0, 0.9, 1.1)])
+    [one] = aggregate_rows.across_repeats([_job(1, 1.00, 1.0, 1.0, 0.9, 1.1)])
     assert one["repeats"] == 1 and one["x"] == 1.00
     assert one["x_jobs_min"] is one["x_jobs_max"] is one["x_jobs_spread"] is None
-    rows = aggregate.across_repeats([_job(1, 1.00, 1.0, 1.0, 0.9, 1.1), _job(2, 0, 0, 0, 0, 0, status="failed")])
+    rows = aggregate_rows.across_repeats([_job(1, 1.00, 1.0, 1.0, 0.9, 1.1), _job(2, 0, 0, 0, 0, 0, status="failed")])
     assert [(r["status"], r["source"]) for r in rows] == [("failed", "results/s/cpu-torch/m/w8/fp8/timing-r2.json")]
 
 
@@ -86,7 +86,7 @@ def _with_repeats(tables: dict, factors: dict[tuple, float]) -> dict:
         if row["status"] == "ok":
             second["x"] = row["x"] * factors.get((row["model"], row["setting"]), 1.0)
         jobs += [first, second]
-    t["speed"] = aggregate.across_repeats(jobs)
+    t["speed"] = aggregate_rows.across_repeats(jobs)
     t["spec"]["timing"]["repeats"] = 2
     return t
 
@@ -137,22 +137,22 @@ def test_across_evaluations_by_hand():
     """Three jobs of one engine, in the order the files come (repeats 3, 1, 2), AP 0.461, 0.464, 0.4625:
     the row holds the first job's values (0.464) and AP's range 0.461 to 0.464 across the jobs; a text
     column gets no range; a metric one job left empty (None) gets none either."""
-    rows = aggregate.across_evaluations([_evaluation(3, 0.461), _evaluation(1, 0.464, nonfinite=2),
-                                         _evaluation(2, 0.4625)])
+    rows = aggregate_rows.across_evaluations([_evaluation(3, 0.461), _evaluation(1, 0.464, nonfinite=2),
+                                              _evaluation(2, 0.4625)])
     [row] = rows
     assert row["heldout.ap"] == 0.464 and row["nonfinite"] == 2 and "evaluation_repeat" not in row
     assert (row["heldout.ap.jobs_min"], row["heldout.ap.jobs_max"]) == (0.461, 0.464)
     assert (row["nonfinite.jobs_min"], row["nonfinite.jobs_max"]) == (0, 2)
     assert row["evaluations"] == 3 and row["quality_sources"][0].endswith("/quality.json")
     assert "heldout.evaluator.jobs_min" not in row
-    [row] = aggregate.across_evaluations([_evaluation(1, 0.464), _evaluation(2, None)])
+    [row] = aggregate_rows.across_evaluations([_evaluation(1, 0.464), _evaluation(2, None)])
     assert "heldout.ap.jobs_min" not in row
 
 
 def test_one_evaluation_job_measures_no_spread_and_a_failed_job_is_the_row():
-    [row] = aggregate.across_evaluations([_evaluation(1, 0.464)])
+    [row] = aggregate_rows.across_evaluations([_evaluation(1, 0.464)])
     assert row["evaluations"] == 1 and "heldout.ap.jobs_min" not in row
-    rows = aggregate.across_evaluations([_evaluation(1, 0.464), _evaluation(2, None, status="failed")])
+    rows = aggregate_rows.across_evaluations([_evaluation(1, 0.464), _evaluation(2, None, status="failed")])
     assert [r["status"] for r in rows] == ["failed"] and rows[0]["source"].endswith("quality-r2.json")
 
 
@@ -287,14 +287,14 @@ def test_a_rebuild_records_its_own_rule_and_its_rerun_hint_reruns_it_alone(tmp_p
 def test_across_evaluations_lists_the_builds_only_where_the_jobs_opened_separate_ones():
     first, second = _evaluation(1, 0.464), _evaluation(2, 0.4625)
     build = "results/s/cpu-torch/m/w8/fp8/build.json"
-    same = aggregate.across_evaluations([first | {"evaluation_build": build}, second | {"evaluation_build": build}])
+    same = aggregate_rows.across_evaluations([first | {"evaluation_build": build}, second | {"evaluation_build": build}])
     assert "quality_builds" not in same[0] and "evaluation_build" not in same[0]
     rebuilt = build.replace("/build.json", "/rebuild-r2/build.json")
-    [row] = aggregate.across_evaluations([second | {"evaluation_build": rebuilt}, first | {"evaluation_build": build}])
+    [row] = aggregate_rows.across_evaluations([second | {"evaluation_build": rebuilt}, first | {"evaluation_build": build}])
     assert row["quality_builds"] == [build, rebuilt] and "evaluation_build" not in row
     assert (row["heldout.ap.jobs_min"], row["heldout.ap.jobs_max"]) == (0.4625, 0.464)
-    failed = aggregate.across_evaluations([first | {"evaluation_build": build},
-                                           _evaluation(2, None, status="failed") | {"evaluation_build": None}])
+    failed = aggregate_rows.across_evaluations([first | {"evaluation_build": build},
+                                                _evaluation(2, None, status="failed") | {"evaluation_build": None}])
     assert [set(r) & {"quality_builds", "evaluation_build"} for r in failed] == [set()]
 
 

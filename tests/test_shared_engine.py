@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from quantstudy import audit_checks, config as qc, steps
+from quantstudy import audit_checks, config as qc, steps, steps_engines, steps_measure
 
 from test_config import load, study_doc
 
@@ -90,11 +90,11 @@ def test_one_dynamic_engine_is_timed_at_two_sizes(backend, detr_checkpoint, tmp_
     export_json = None
     if backend == "onnxruntime":
         export_json = str(tmp_path / "onnx" / "export.json")
-        steps.export(ident, "deformable_detr", SQUARE, arch, FP16, recipe, str(checkpoint), None, export_json)
+        steps_engines.export(ident, "deformable_detr", SQUARE, arch, FP16, recipe, str(checkpoint), None, export_json)
         assert json.loads(open(export_json).read())["status"] == "ok"
     build = tmp_path / "engine" / "build.json"
-    steps.build({"target": target["target"], **ident}, "deformable_detr", target, SQUARE, arch, FP16, recipe,
-                str(checkpoint), None, str(build), export_json, serves=[SQUARE, WIDE])
+    steps_engines.build({"target": target["target"], **ident}, "deformable_detr", target, SQUARE, arch, FP16, recipe,
+                        str(checkpoint), None, str(build), export_json, serves=[SQUARE, WIDE])
     assert json.loads(build.read_text())["status"] == "ok", json.loads(build.read_text()).get("error")
     if backend == "torch":  # built for both sizes, and for no other
         assert json.loads(build.read_text())["graphs"]["main"]["shapes"] == [
@@ -102,8 +102,8 @@ def test_one_dynamic_engine_is_timed_at_two_sizes(backend, detr_checkpoint, tmp_
     probes = []
     for setting in (SQUARE, WIDE):
         out = tmp_path / setting["name"] / "timing.json"
-        steps.time({"target": target["target"], **ident, "setting": setting["name"]}, "deformable_detr", target,
-                   setting, recipe, TIMING, str(checkpoint), str(build), str(build), str(out))
+        steps_measure.time({"target": target["target"], **ident, "setting": setting["name"]}, "deformable_detr", target,
+                           setting, recipe, TIMING, str(checkpoint), str(build), str(build), str(out))
         doc = json.loads(out.read_text())
         assert doc["status"] == "ok", doc.get("error")
         assert doc["shape"] == setting["shape"] and doc["setting"] == setting["name"]
@@ -166,10 +166,10 @@ def test_a_torch_engine_is_refused_at_a_setting_its_build_does_not_serve(detr_ch
     recipe = {"quantize": [], "dequantize_dtype": "float16"}
     ident = {"target": "cpu-torch", "model": "tiny", "setting": SQUARE["name"], "variant": "fp16"}
     build = tmp_path / "engine" / "build.json"
-    steps.build(ident, "deformable_detr", target, SQUARE, arch, FP16, recipe, str(checkpoint), None, str(build))
+    steps_engines.build(ident, "deformable_detr", target, SQUARE, arch, FP16, recipe, str(checkpoint), None, str(build))
     out = tmp_path / "timing.json"
-    steps.time({**ident, "setting": WIDE["name"]}, "deformable_detr", target, WIDE, recipe, TIMING, str(checkpoint),
-               str(build), str(build), str(out))
+    steps_measure.time({**ident, "setting": WIDE["name"]}, "deformable_detr", target, WIDE, recipe, TIMING, str(checkpoint),
+                       str(build), str(build), str(out))
     doc = json.loads(out.read_text())
     assert doc["status"] == "failed"
     assert "built for [{'pixel_values': [1, 3, 96, 96]}], not for setting 96x128's" in doc["error"]

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from helpers import stand_in_lock
-from quantstudy import aggregate
+from quantstudy import aggregate_bound
 from quantstudy.devtools import copy_checkout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def rule_of(comment):
     return re.fullmatch(r"rule_(.+?)(_wildcards_.*)?", comment)[1]
 
 
-# A decision condition's resolution against its measured interval (aggregate._uncertainty): measured.
+# A decision condition's resolution against its measured interval (decision._uncertainty): measured.
 RESOLVED = {"resolved", "within_noise", "to_resolve", "interval_kind"}
 
 
@@ -158,7 +158,7 @@ def deterministic(path, repo):
     masked_keys = {"speed", "kernels", "decision", "bound", "timing_noise"} if path.name == "tables.json" else set()
     # A speed row's bound is computed or withheld by whether its baseline's profile agrees with its timing;
     # so are the bases of f listed per target (bound.f_bases).
-    verdicts = {*aggregate.BOUND_COLUMNS, "f_bases"} if path.name == "tables.json" else set()
+    verdicts = {*aggregate_bound.BOUND_COLUMNS, "f_bases"} if path.name == "tables.json" else set()
 
     def strip(x, measured=False, lengths=False):
         if isinstance(x, dict):  # a file's sha256 (an amax file, a sample list) covers its provenance

@@ -312,7 +312,7 @@ def test_plain_gpt_neo_computes_the_project_prefill_and_decode(bench, tmp_path):
     from quantstudy import plain
     from quantstudy.plain import gpt_neo as plain_gpt_neo
 
-    from quantstudy import config, families, quantization
+    from quantstudy import config, families, quantization, transforms
     from quantstudy.families import base
 
     from helpers import observed_amax
@@ -332,7 +332,7 @@ def test_plain_gpt_neo_computes_the_project_prefill_and_decode(bench, tmp_path):
         example = quantization.cast_inputs(fam.example_inputs(tmp_path, graph, st), "float16")
         outputs, engines = {}, {}
         for v, spec in specs.items():
-            project, summary = quantization.apply_variant(fam.module(tmp_path, graph, st), spec, recipe, amax)
+            project, summary = transforms.apply_variant(fam.module(tmp_path, graph, st), spec, recipe, amax)
             fp8 = {n: amax["amax"][n] for n in summary["fp8_layers"]}
             variant = plain.Variant(v, "float16", {}, fp8, "float16", {})
             engines[v] = plain_gpt_neo.model(tmp_path, st, variant, "cpu", graph)
@@ -364,7 +364,7 @@ def test_plain_deformable_detr_computes_the_project_engine(bench, tmp_path):
     from quantstudy import plain
     from quantstudy.plain import deformable_detr as plain_detr
 
-    from quantstudy import config, families, quantization
+    from quantstudy import config, families, quantization, transforms
     from quantstudy.families import base
 
     from helpers import observed_amax
@@ -384,7 +384,7 @@ def test_plain_deformable_detr_computes_the_project_engine(bench, tmp_path):
     outputs, models = {}, {}
     for v, spec in {"fp16": {"precision": "float16", "transforms": []},
                     "fp8": {"precision": "float16", "transforms": [{"fp8": {}}]}}.items():
-        models[f"project {v}"], summary = quantization.apply_variant(fam.module(tmp_path, "main", st), spec, recipe, amax)
+        models[f"project {v}"], summary = transforms.apply_variant(fam.module(tmp_path, "main", st), spec, recipe, amax)
         fp8 = {n: amax["amax"][n] for n in summary["fp8_layers"]}
         variant = plain.Variant(v, "float16", {}, fp8, "float16", {})
         models[f"plain {v}"] = plain_detr.model(tmp_path, st, variant, "cpu", "main")

@@ -19,7 +19,7 @@ import pandas as pd
 from quantstudy import artifacts, compare, paths
 from quantstudy.artifacts import DamagedArtifact, read_json, sha256_file
 from quantstudy.config import calibration_sample_sets
-from quantstudy.study import calibration_label
+from quantstudy.study_values import calibration_label
 
 log = logging.getLogger("quantstudy")
 

@@ -17,8 +17,8 @@ from typing import Any
 import jsonschema
 
 from quantstudy.families.base import QualityColumns, Setting
-from quantstudy.study import (REVISIT_SELECTORS, Dataset, Model, Variant, calibration_sample_sets,
-                              calibration_setting_of)
+from quantstudy.study import REVISIT_SELECTORS, calibration_setting_of
+from quantstudy.study_values import Dataset, Model, Variant, calibration_sample_sets
 
 ROOT = Path(__file__).resolve().parent.parent
 

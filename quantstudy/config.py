@@ -23,8 +23,10 @@ from quantstudy.checks import (  # noqa: F401  (re-exported: imported from confi
     QUALITY_ROW_COLUMNS, SPEED_COLUMNS, main_quality_condition, quality_columns)
 from quantstudy.families.base import Setting
 from quantstudy.study import (  # noqa: F401  (re-exported: imported from config by other modules)
-    Baseline, Condition, Configured, Dataset, Decision, Model, Recipe, Run, SampleSpec, Study, Target, Timing,
-    Variant, calibration_sample_sets, calibration_setting_of, is_card, on_its_card, tiny_dataset_spec)
+    Run, Study, calibration_setting_of, tiny_dataset_spec)
+from quantstudy.study_values import (  # noqa: F401  (re-exported: imported from config by other modules)
+    Baseline, Condition, Configured, Dataset, Decision, Model, Recipe, SampleSpec, Target, Timing, Variant,
+    calibration_sample_sets, is_card, on_its_card)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMAS = ROOT / "config" / "schemas"

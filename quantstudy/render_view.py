@@ -17,7 +17,7 @@ from quantstudy.artifacts import devices
 from quantstudy.config import main_quality_condition, shape_of
 from quantstudy.render_formats import span, times, value_range
 from quantstudy.render_verdict import UNITS, condition_units, revisit, samples_view, verdict
-from quantstudy.study import timed_on
+from quantstudy.study_values import timed_on
 
 PLOT = paths.name_of(paths.PLOT)  # beside the README: the plot rule writes it, the section links it
 

@@ -13,7 +13,7 @@ from quantstudy.artifacts import now, provenance, read_json, sha256_path, write_
 from quantstudy.config import Recipe
 from quantstudy.steps import (Progress, family_of, gpu_work, job_settings, read_samples, record_failure, samples_of,
                               setting_of, snapshot_of, work_device)
-from quantstudy.study import calibration_label
+from quantstudy.study_values import calibration_label
 
 log = logging.getLogger("quantstudy")
 

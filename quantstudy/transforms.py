@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from quantstudy.quantization import DTYPES, MICROSCALING_BLOCK, FP8Linear, MicroscaledLinear, linear_names, select
-from quantstudy.study import BLACKWELL, Target
+from quantstudy.study_values import BLACKWELL, Target
 
 TRANSFORMS = {"fp8", "fp32_dequantize", "widen_scales", "microscaling"}  # generic; families add their own
 

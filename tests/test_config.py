@@ -476,7 +476,7 @@ def test_a_variants_calibration_method_is_one_modelopt_has(tmp_path):
 
 def test_a_calibration_method_names_its_amax_file():
     from quantstudy import paths
-    from quantstudy.study import calibration_label
+    from quantstudy.study_values import calibration_label
 
     assert calibration_label({"method": "percentile", "percentile": 99.9}) == "percentile-99.9"
     assert calibration_label({"alpha": 0.5, "method": "smoothquant"}) == "smoothquant-0.5"

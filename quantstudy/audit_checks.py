@@ -20,7 +20,7 @@ PROBE_TOLERANCE = 1e-3
 
 
 def probes_differ(a: dict[str, Any], b: dict[str, Any], tolerance: float = PROBE_TOLERANCE) -> str | None:
-    """Where two jobs' probes (steps._probe) of one engine disagree, or None."""
+    """Where two jobs' probes (steps_measure._probe) of one engine disagree, or None."""
     for g in sorted(set(a) | set(b)):
         for name in sorted(set(a.get(g, {})) | set(b.get(g, {}))):
             x, y = a.get(g, {}).get(name), b.get(g, {}).get(name)

@@ -83,12 +83,12 @@ DERIVED = {"x": ("baseline_ms", "variant_ms")}
 def arithmetic(rows: list[dict[str, Any]], row: dict[str, Any], column: str) -> tuple[str | None, list[str]]:
     """How a derived cell is made, with the values it is made of, and the other files they come from: x
     from its row's times (`x = baseline_ms / variant_ms = 2.767 / 5.682 = 0.487`); a ratio to another
-    variant (`wikitext.kl_mean / fp16`, aggregate.with_ratio) from that variant's row on the same key. A
+    variant (`wikitext.kl_mean / fp16`, decision.with_ratio) from that variant's row on the same key. A
     measured cell: (None, [])."""
     from quantstudy import render_formats
 
     if column.endswith((".jobs_min", ".jobs_max")) and len(row.get("quality_sources") or []) > 1:
-        # A metric's range across evaluation jobs (aggregate.across_evaluations): every job's file, and
+        # A metric's range across evaluation jobs (aggregate_rows.across_evaluations): every job's file, and
         # where each job opened its own build (`evaluation.rebuild`), that build.
         metric, _, end = column.rpartition(".jobs_")
         files, builds = row["quality_sources"], row.get("quality_builds")

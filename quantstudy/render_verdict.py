@@ -38,7 +38,7 @@ def verdict(t: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def verdict_line(t: dict[str, Any], c: dict[str, Any]) -> dict[str, Any]:
-    """One condition's result (aggregate.condition, as the decision or a revisit check records it) as words."""
+    """One condition's result (decision.condition, as the decision or a revisit check records it) as words."""
     spec, samples = t["spec"], samples_view(t)
     declared = {d["name"]: d for d in spec["decision"]["conditions"]}
     c = {**declared.get(c["name"], {}), **c}  # a tables.json before decide() copied table and units

@@ -10,7 +10,7 @@ import re
 import pytest
 import yaml
 
-from quantstudy import aggregate, decision, render, render_formats
+from quantstudy import decision, render, render_formats
 from quantstudy import config as qc
 from quantstudy.published import compare_published
 
@@ -461,7 +461,7 @@ def test_detrs_per_part_results_are_compared_with_the_matching_variants_rows():
             ("checkpoint", [{**r, "target": tg} for tg in targets for r in t["quality"] if r["target"] == "h200-eager"],
              targets)):
         tables = {k: t[k] for k in ("speed", "builds", "kernels", "references")} | {"quality": rows}
-        compared = aggregate.compare_published(published, tables, weights, run_targets)
+        compared = compare_published(published, tables, weights, run_targets)
         [row] = [r for r in compared if r["variant"] == "fp8-add-heads"]
         view = {**t, "run": {**t["run"], "weights": weights}, "published": compared,
                 "published_from": {k: published[k] for k in ("file", "seed", "weights", "runs", "tolerances", "differs",

@@ -30,6 +30,8 @@ class Study:
     candidate: str  # the variant the decision is about
     timing: Timing
     decision: Decision
+    # The family's own parameters stay dicts: their keys are the family's, not the study model's (each family
+    # declares and checks them: its metrics schema, its `seeds`), and they reach its functions as rule params.
     metrics: dict[str, Any]  # the family's metric parameters, checked against its schema at load
     seeds: dict[str, int]  # each seed the family draws with, by name
     evaluation_samples: tuple[str, ...]  # the sample sets every evaluation and reference job measures

@@ -66,12 +66,20 @@ class Study:
     def baselines(self) -> dict[str, str]:
         return {s: self.baseline.of(s) for s in self.settings}
 
-    def local_hub_specs(self) -> dict[str, list[dict[str, Any]]]:
-        """What the local_hub rule generates: the models and datasets that have a tiny spec."""
-        return {"models": [{"repo": m.repo, "revision": m.revision, "architecture": m.architecture, "tiny": m.tiny}
-                           for m in self.models.values() if m.tiny],
-                "datasets": [{"repo": d.repo, "revision": d.revision, "files": d.files, "tiny": tiny_dataset_spec(d)["tiny"]}
-                             for d in self.datasets.values() if d.tiny]}
+    def local_hub_models(self) -> list[dict[str, Any]]:
+        """The models the local_hub rule generates (those with a tiny spec), as its params."""
+        return [{"repo": m.repo, "revision": m.revision, "architecture": m.architecture, "tiny": m.tiny}
+                for m in self.models.values() if m.tiny]
+
+    def local_hub_datasets(self) -> list[dict[str, Any]]:
+        """The datasets the local_hub rule generates (those with a tiny spec), as its params."""
+        return [{"repo": d.repo, "revision": d.revision, "files": d.files, "tiny": tiny_dataset_spec(d)["tiny"]}
+                for d in self.datasets.values() if d.tiny]
+
+    @property
+    def has_local_hub(self) -> bool:
+        """Whether the study generates anything into the local hub (its local_hub rule runs)."""
+        return any(m.tiny for m in self.models.values()) or any(d.tiny for d in self.datasets.values())
 
     def model_settings(self, quality_only: bool = False, timed_only: bool = False):
         for model in self.models.values():

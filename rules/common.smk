@@ -75,8 +75,7 @@ def target_params(w):
 
 
 def local_hub_input(w):
-    specs = study(w).local_hub_specs()
-    return {"local_hub": paths.LOCAL_HUB.format(study=w.study)} if specs["models"] or specs["datasets"] else {}
+    return {"local_hub": paths.LOCAL_HUB.format(study=w.study)} if study(w).has_local_hub else {}
 
 
 def checkpoint_json(w):

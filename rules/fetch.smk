@@ -12,8 +12,8 @@ rule local_hub:
         WORKFLOW_ENV
     params:
         family=lambda w: study(w).family,
-        models=lambda w: study(w).local_hub_specs()["models"],
-        datasets=lambda w: study(w).local_hub_specs()["datasets"],
+        models=lambda w: study(w).local_hub_models(),
+        datasets=lambda w: study(w).local_hub_datasets(),
         cache_dir=RUN.hf_cache,
         weights=RUN.weights,
     script:

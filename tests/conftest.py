@@ -45,7 +45,8 @@ def tiny_inputs(tmp_path_factory, test_run):
     out = tmp_path_factory.mktemp("tiny")
     study = test_run.studies["fnet"]
     cache = str(out / "hf-cache")
-    steps.local_hub(study.family, cache_dir=cache, out=str(out / "local_hub.json"), **study.local_hub_specs())
+    steps.local_hub(study.family, cache_dir=cache, out=str(out / "local_hub.json"), models=study.local_hub_models(),
+                    datasets=study.local_hub_datasets())
     model = study.models["fnet-base"]
     steps.fetch_checkpoint(model.repo, model.revision, cache, True, test_run.weights, str(out / "checkpoint.json"))
     samples = {}  # every sample set of the study: {name: its sample list's path}

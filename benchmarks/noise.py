@@ -32,6 +32,7 @@ from quantstudy.timing import timing_noise
 ROOT = Path(__file__).resolve().parent.parent
 GOAL = 1.25
 DRIFT_WINDOW_S = 0.25  # about a timing job's measuring time per engine in the embedded default
+DRIFT_SECONDS = 20.0  # both workloads together
 
 
 def baseline_medians(results: Path) -> dict[tuple, list[float]]:
@@ -104,14 +105,17 @@ def main() -> None:
     parser.add_argument("--run", action="store_true", help="run the embedded default in a copy of this checkout")
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--keep", type=Path, help="with --run: run in this new folder and keep it (default: a temporary one)")
-    parser.add_argument("--drift", nargs="?", type=float, const=20.0, default=None, metavar="SECONDS",
-                        help="measure this machine's own drift for SECONDS (default 20); with --run, before the run")
+    parser.add_argument("--drift", nargs="?", type=float, const=DRIFT_SECONDS, default=None, metavar="SECONDS",
+                        help=f"measure this machine's own drift for SECONDS (default {DRIFT_SECONDS:g}); "
+                             "--run measures it before the run")
     args = parser.parse_args()
-    drift = machine_drift(args.drift) if args.drift or args.run else None
     if not args.run:
-        if drift is None:
+        if args.drift:
+            machine_drift(args.drift)
+        else:
             report(args.results)
         return
+    drift = machine_drift(args.drift or DRIFT_SECONDS)
     with tempfile.TemporaryDirectory() as tmp:
         repo = copy_checkout(ROOT, args.keep or Path(tmp) / "repo")
         start = time.perf_counter()

@@ -79,7 +79,7 @@ class Study:
     @property
     def has_local_hub(self) -> bool:
         """Whether the study generates anything into the local hub (its local_hub rule runs)."""
-        return any(m.tiny for m in self.models.values()) or any(d.tiny for d in self.datasets.values())
+        return bool(self.local_hub_models() or self.local_hub_datasets())
 
     def model_settings(self, quality_only: bool = False, timed_only: bool = False):
         for model in self.models.values():

@@ -151,7 +151,8 @@ def view(t: dict[str, Any], docs: str = "../../docs/reading-a-study.md", repo: s
         # Tables of a run before the gemm rule (committed evidence) have no bound: their tables keep their columns.
         "has_bound": "bound" in t, "bound": t.get("bound") or {"at_limit": None, "f_bases": {}},
         "f_found": {target: bases for target, bases in ((t.get("bound") or {}).get("f_bases") or {}).items() if bases},
-        "baselines": sorted({r["variant"] for r in t["speed"] if r["variant"] in set(baselines.values())}),
+        # The baselines this run measured: timed, or in a quality-only run evaluated.
+        "baselines": sorted({r["variant"] for r in t["speed"] + t["quality"] if r["variant"] in set(baselines.values())}),
         "baseline_of": baselines.__getitem__, "column_range": column_range, "ratio_range": ratio_range,
         "candidate_nonfinite": sum(r.get("nonfinite") or 0 for r in rows_of("candidate")),
         "size_change": size_change, "size_range": value_range(s["change"] for s in size_change),

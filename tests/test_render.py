@@ -94,6 +94,36 @@ def test_detr_counts_render_as_counts_beside_failed_rows():
     assert len(eager) == 1 and "failed: RuntimeError: Cannot copy between CPU and CUDA tensors" in eager[0]
 
 
+def test_xcit_counts_render_as_counts_beside_failed_rows():
+    """The committed XCiT questions evidence (H100), whose four calibration variants failed: their rows
+    make the agreement counts floats in tables.json, and the quality table still prints counts."""
+    from quantstudy import artifacts
+
+    from helpers import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-xcit-questions/timm_xcit/results/timm_xcit/tables.json", "tables")
+    assert any(r["status"] == "failed" for r in tables["quality"])
+    section = render.render_section(tables)
+    rows = [line for line in section.splitlines() if line.startswith("| xcit-nano, `b1` | h200-torch | fp8-per-channel |")]
+    assert len(rows) == 2, rows  # its quality row and its non-finite scan row
+    assert "(8 of 500 differ)" in rows[0] and "(40 of 1,500 differ)" in rows[0], rows[0]
+    assert rows[1].endswith("| 0 / 500 | 0 / 1,500 | 0 / 26 | 0 |"), rows[1]
+    assert not re.search(r"\d\.0 (of|/) \d", section)
+
+
+def test_a_quality_only_run_names_the_baseline_it_evaluated():
+    """The committed GPT-Neo questions evidence times no engine: the verdict's first sentence still names
+    the baseline its quality conditions compare with, not an empty list."""
+    from quantstudy import artifacts
+
+    from helpers import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-gpt-neo-questions/gpt_neo/results/gpt_neo/tables.json", "tables")
+    assert tables["speed"] == []
+    first = next(line for line in render.render_section(tables).splitlines() if line.startswith("**Do not ship"))
+    assert first.endswith("measured on NVIDIA H100 80GB HBM3 against fp16:"), first
+
+
 def test_a_condition_on_a_setting_names_it_with_this_runs_values():
     """A decision condition limited to a setting names it, and the settings line under the verdict gives
     that setting's own values (the tiny run's w256 is a 64-token window), never a typed label; a condition

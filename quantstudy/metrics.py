@@ -251,7 +251,7 @@ def continuation_loglik(logits: torch.Tensor, ids: torch.Tensor, start: int, end
     if not 0 < start < end <= ids.shape[0]:
         raise ValueError(f"a continuation [{start}, {end}) needs a context before it within {ids.shape[0]} tokens")
     logp = F.log_softmax(logits[start - 1:end - 1].double(), dim=-1)
-    return float(logp.gather(1, ids[start:end].long()[:, None]).sum())
+    return float(logp.gather(1, ids[start:end].long().to(logp.device)[:, None]).sum())
 
 
 def chosen(scores: list[list[float]]) -> list[int]:

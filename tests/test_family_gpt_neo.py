@@ -388,10 +388,10 @@ def test_the_decode_check_sees_a_decode_that_writes_the_token_one_row_late(fam, 
     and a stale row stays visible): the logits no longer match prefill's."""
     run = _run(fam, checkpoint)
 
-    def late(inputs, what="", graph="main", whole=False):
+    def late(inputs, what="", graph="main", whole=False, on_device=False):
         if graph == "decode":
             inputs = {**inputs, "position": inputs["position"] + 1}
-        return run(inputs, what, graph, whole)
+        return run(inputs, what, graph, whole, on_device)
     with torch.no_grad():
         block, _ = gpt_neo_metrics.decode_check(late, *_prompts(fam.processor(checkpoint), [4, 9], 12), 12, 16,
                                         steps=8, tolerance=0.0)

@@ -209,3 +209,41 @@ def test_a_microscaled_layer_runs_eagerly_on_cuda_and_matches_the_cpu(fmt):
     assert runner.graph is None
     got = runner.model(x.cuda())
     torch.testing.assert_close(got.cpu(), cpu, rtol=1e-3, atol=1e-3)
+
+
+def test_gpt_neo_scores_arc_and_checks_decode_where_the_engine_ran(tmp_path):
+    """GPT-Neo's ARC scores, non-finite rows and decode check with the outputs left on the GPU
+    (batched_run's on_device, as the family's evaluation asks): the same as the same fp32 modules give
+    on the CPU, and the outputs asked for on the device stay there."""
+    from quantstudy import metrics as qm, steps_measure
+    from quantstudy.families import gpt_neo_metrics
+
+    from helpers import tiny_checkpoint
+
+    fam = family("gpt_neo")
+    arch = {**load_architecture("tiny-gpt-neo-125m"), "num_layers": 2, "attention_types": [[["global", "local"], 1]],
+            "window_size": 8}
+    checkpoint, setting = tiny_checkpoint(fam, arch, tmp_path), Setting("p12-c16", 1, {"prefill": 12, "cache": 16})
+
+    def harness(device):
+        modules = {g: fam.module(checkpoint, g, setting).to(device) for g in ("prefill", "decode")}
+        engine = lambda m: (lambda inputs: m(**{k: v.to(device) for k, v in inputs.items()}))
+        return steps_measure.batched_run({g: engine(m) for g, m in modules.items()}, setting.batch)
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ids = torch.randint(0, 511, (4, 12), generator=torch.Generator().manual_seed(0))
+    results = {}
+    with torch.no_grad():
+        for device, on_device in (("cpu", False), ("cuda", True)):
+            run = harness(device)
+            out = run({"input_ids": ids}, graph="prefill", on_device=on_device)
+            assert out["logits"].is_cuda == on_device
+            scores = [qm.continuation_loglik(out["logits"][r], ids[r], 6, 12) for r in range(4)]
+            prompts = (ids[:2].clone(), torch.tensor([4, 9]))
+            decode, nonfinite = gpt_neo_metrics.decode_check(run, *prompts, 12, 16, steps=8, tolerance=0.0)
+            results[device] = (scores, gpt_neo_metrics.bad_rows(out), decode, nonfinite)
+        assert not harness("cuda")({"input_ids": ids}, graph="prefill")["logits"].is_cuda
+    (cpu_scores, cpu_bad, cpu_decode, cpu_nonfinite), (gpu_scores, gpu_bad, gpu_decode, gpu_nonfinite) = results.values()
+    assert gpu_scores == pytest.approx(cpu_scores, rel=1e-4)
+    assert gpu_bad == cpu_bad == 0 and gpu_nonfinite == cpu_nonfinite == {"bad": 0, "of": 2 + 2 * 11}
+    assert gpu_decode["steps"] == cpu_decode["steps"] == 11 and gpu_decode["same_token"] == 11

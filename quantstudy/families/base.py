@@ -129,8 +129,9 @@ SHARE = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
 POSITIVE = {"type": "number", "exclusiveMinimum": 0}
 
 
-# A runner as the family sees it: run(inputs, what="", graph="main", whole=False) -> outputs. The
-# harness feeds any number of rows in the engine's batch (`whole`: all rows in one call).
+# A runner as the family sees it: run(inputs, what="", graph="main", whole=False, on_device=False) ->
+# outputs, on the CPU. The harness feeds any number of rows in the engine's batch (`whole`: all rows in
+# one call); `on_device` leaves the outputs on the engine's device, for metrics computed there.
 Run = Callable[..., dict[str, Any]]
 
 

@@ -53,7 +53,7 @@ from quantstudy.families.gpt_neo_model import ATTENTION_REGION, GRAPHS, Prefill,
 # cache update) and everything else.
 KERNEL_GROUPS = ["FP8 projection GEMMs", "fp16 GEMMs", "attention", "other"]
 REGIONS = {ATTENTION_REGION: "attention"}
-ARC_ROWS_PER_CALL = 8  # prefill rows per engine call when scoring ARC (their logits come back to the CPU)
+ARC_ROWS_PER_CALL = 8  # prefill rows per engine call when scoring ARC (scored where the engine ran)
 
 
 @register("gpt_neo")
@@ -289,7 +289,7 @@ class GPTNeo:
         scores, bad = [], 0
         ids, starts, ends = reference["arc_ids"].long(), reference["arc_starts"].tolist(), reference["arc_ends"].tolist()
         for i in range(0, ids.shape[0], ARC_ROWS_PER_CALL):
-            out = run({"input_ids": ids[i:i + ARC_ROWS_PER_CALL]}, graph="prefill")
+            out = run({"input_ids": ids[i:i + ARC_ROWS_PER_CALL]}, graph="prefill", on_device=True)
             bad += bad_rows(out)
             scores += [qm.continuation_loglik(lg, row, s, e) for lg, row, s, e in
                        zip(out["logits"], ids[i:i + ARC_ROWS_PER_CALL], starts[i:], ends[i:])]

@@ -41,13 +41,14 @@ def decode_check(run: base.Run, prompt_ids: torch.Tensor, lengths: torch.Tensor,
     same = within = total = bad = calls = 0
     max_diff = 0.0
     for ids, n in zip(prompt_ids, lengths.tolist()):
-        pre = run({"input_ids": ids[None]}, graph="prefill")
+        pre = run({"input_ids": ids[None]}, graph="prefill", on_device=True)
         bad, calls = bad + bad_rows(pre), calls + 1
         token, past, seq = pre["logits"][0, n - 1].float().argmax(), as_past(pre), ids.clone()
         for pos in range(n, min(n + steps, prefill, cache)):
-            seq[pos] = token
-            dec = run({"input_ids": token.view(1, 1), "position": torch.tensor([pos]), **past}, graph="decode")
-            full = run({"input_ids": seq[None]}, graph="prefill")
+            seq[pos] = int(token)
+            dec = run({"input_ids": token.view(1, 1), "position": torch.tensor([pos]), **past}, graph="decode",
+                      on_device=True)
+            full = run({"input_ids": seq[None]}, graph="prefill", on_device=True)
             bad, calls = bad + bad_rows(dec) + bad_rows(full), calls + 2
             d, p = dec["logits"][0, 0].float(), full["logits"][0, pos].float()
             token, top = d.argmax(), p.argmax()

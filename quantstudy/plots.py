@@ -48,10 +48,12 @@ FAILED = "#d62728"  # matplotlib's C3: no variant gets it, so red means failed
 SHIP = "#2ca02c"  # the shaded region where both thresholds are met
 # The common variants keep one colour in every study; the study's other variants take the next
 # colours in the order its config lists them, so no two variants of a plot share one (a hash of the
-# name gave three GPT-Neo variants one light blue). No red (failed) or green (ship region).
+# name gave three GPT-Neo variants one light blue). No red (failed) or green (ship region). Every two
+# colours here are at least 25 apart in CIELAB (matplotlib's tab20 pairs, 17 apart, read as one colour
+# among GPT-Neo's 14 variants), and none is lighter than L* 75 (a hollow marker shows on white).
 VARIANT_COLOURS = {"fp32": "#1f77b4", "fp16": "#555555", "fp8": "#ff7f0e"}
-OTHER_COLOURS = ("#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#000080", "#808000", "#f7b6d2",
-                 "#9edae5", "#c49c94", "#c5b0d5", "#ffbb78", "#dbdb8d", "#aec7e8")
+OTHER_COLOURS = ("#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#000080", "#808000", "#000000",
+                 "#0000f2", "#f200f2", "#00592d", "#f20079", "#59003c", "#001e59")
 
 
 def variant_colours(variants: list[str]) -> dict[str, str]:

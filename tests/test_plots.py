@@ -129,6 +129,29 @@ def test_the_plot_draws_each_row_at_its_values_with_its_variants_colour_and_the_
     assert drawn["lines"][":"] == ([0, 1], [1.0, 1.0])
 
 
+def _cielab(colour: str) -> tuple[float, float, float]:
+    """sRGB hex to CIELAB (D65), the textbook formulas."""
+    linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+              for c in (int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5))]
+    xyz = [sum(m * c for m, c in zip(row, linear)) / white for row, white in zip(
+        ((0.4124, 0.3576, 0.1805), (0.2126, 0.7152, 0.0722), (0.0193, 0.1192, 0.9505)), (0.95047, 1.0, 1.08883))]
+    f = [v ** (1 / 3) if v > 0.008856 else 7.787 * v + 16 / 116 for v in xyz]
+    return 116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])
+
+
+def test_no_two_plot_colours_look_alike_and_none_fades_on_white():
+    """Every variant colour, the failed red and the ship green: each two at least 25 apart in CIELAB
+    (tab20's light and dark pairs, 17 apart, read as one colour among GPT-Neo's 14 variants), and none
+    above L* 75, where a hollow marker fades into the white."""
+    import itertools
+    import math
+
+    colours = [*plots.VARIANT_COLOURS.values(), *plots.OTHER_COLOURS, plots.FAILED, plots.SHIP]
+    closest = min((math.dist(_cielab(a), _cielab(b)), a, b) for a, b in itertools.combinations(colours, 2))
+    assert closest[0] >= 25, closest
+    assert max(_cielab(c)[0] for c in colours) <= 75
+
+
 def test_each_variant_has_its_own_colour_and_the_ship_region_is_shaded(tmp_path):
     """fp8 is orange and fp16 grey in any study, and no two variants of a study share a colour (a hash of
     the name gave three of GPT-Neo's one light blue); the region where both thresholds are met is shaded;

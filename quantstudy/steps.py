@@ -151,7 +151,9 @@ def fetch_checkpoint(repo: str, revision: str, cache_dir: str, offline: bool, we
                                  {"repo": repo, "revision": revision}, started)})
 
 
-def _load_split(snapshot: Path, pattern: str):
+def load_split(snapshot: Path, pattern: str):
+    """The rows of a dataset split: the files of a pinned snapshot that match `pattern`, read by `datasets`
+    (a parquet row also names its file and its place there, `__url__` and `__index__`)."""
     import datasets
 
     paths = sorted(str(p) for p in snapshot.glob(pattern) if p.is_file())
@@ -195,7 +197,7 @@ def draw_samples(samples_spec: dict[str, Any], dataset: dict[str, Any], family: 
     """One sample set drawn by the family's rule (seeded) from its split's files in a dataset snapshot:
     what fetch_dataset records, and what the audit draws again to check that record."""
     split = samples_spec["split"]
-    rows = _load_split(Path(snapshot), dataset["files"][split])
+    rows = load_split(Path(snapshot), dataset["files"][split])
     log.info("%s %s: %d rows", dataset["repo"], split, len(rows))
     fam = family_of(family)
     # A detection dataset's declared box layout, which the family checks against every drawn image.

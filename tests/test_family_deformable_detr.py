@@ -200,7 +200,7 @@ def test_calibration_batches_use_the_processor_resize(fam, checkpoint, tmp_path)
              "objects": {"bbox_id": [i], "category": [0], "bbox": [[10.0, 10.0, 30.0, 40.0]], "area": [600.0]}}
             for i, b, w, h in [(7, grey, 640, 480), (9, portrait, 480, 640)]]
     datasets.Dataset.from_list(rows, features=features).to_parquet(tmp_path / "val.parquet")
-    drawn = fam.draw_samples(steps._load_split(tmp_path, "val.parquet"),
+    drawn = fam.draw_samples(steps.load_split(tmp_path, "val.parquet"),
                              {"kind": "images", "count": 2, "seed": 0, "box_format": "xyxy"}, None)
     samples = sorted(drawn, key=lambda s: s["id"])
     assert [(s["id"], s["row"]) for s in samples] == [(7, 0), (9, 1)]
@@ -225,7 +225,7 @@ def _tiny_split(fam, folder, tiny=TINY_DATA):
     for name, data in fam.tiny_dataset_files({"val": "data/val-*.parquet"}, tiny, TINY).items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(data)
-    return steps._load_split(folder, "data/val-*.parquet")
+    return steps.load_split(folder, "data/val-*.parquet")
 
 
 def test_tiny_dataset_is_coco_layout_parquet_and_draws_disjoint_image_sets(fam, checkpoint, tmp_path):

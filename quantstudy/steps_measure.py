@@ -186,11 +186,8 @@ def batched_run(runners: dict[str, Runner], batch: int):
     """The family's view of the engines: run(inputs, what, graph, whole, on_device) -> outputs gathered on
     the CPU. Rows go to the engine `batch` at a time (`whole`: all in one call, which the engine itself
     runs in chunks of the batch it was built for); a call that names `what` logs its progress.
-    `on_device`: the outputs stay where the engine made them, for a family that reduces them there. On an
-    H100, GPT-Neo's evaluations spent 410 of their 420 s after the teacher-forced chunks, 784 CPU-seconds,
-    bringing ARC's and the decode check's 50,257-way logits and K/V caches to the CPU and checking them
-    there, five jobs side by side; alone, its ARC loop took 9.9 s on the CPU and 0.8 s on the GPU for
-    400 rows (benchmarks/gpt_neo_arc.py)."""
+    `on_device`: the outputs stay where the engine made them, for a family that reduces large outputs
+    (a vocabulary's logits, every K/V cache) there rather than bring them to the CPU."""
     import torch
 
     def run(inputs: dict[str, Any], what: str = "", graph: str = "main", whole: bool = False,

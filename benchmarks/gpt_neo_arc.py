@@ -18,25 +18,19 @@ from pathlib import Path
 
 import torch
 
-from quantstudy import metrics as qm, steps, steps_measure
+from quantstudy import steps, steps_measure
 from quantstudy.backends.torch_backend import Runner
 from quantstudy.config import load_architecture
 from quantstudy.families import base, get
-from quantstudy.families.gpt_neo import ARC_ROWS_PER_CALL
-from quantstudy.families.gpt_neo_metrics import bad_rows
+from quantstudy.families.gpt_neo_metrics import ARC_ROWS_PER_CALL, arc_scores
 
 SETTING = base.Setting("p256-c256", 1, {"prefill": 256, "cache": 256})
 
 
 def score(run, ids: torch.Tensor, starts: list[int], on_device: bool) -> tuple[list[float], int, float]:
-    """The family's ARC loop: scores, non-finite rows and seconds."""
-    scores, bad = [], 0
+    """The family's ARC loop (four-token choices): scores, non-finite rows and seconds."""
     started = time.perf_counter()
-    for i in range(0, ids.shape[0], ARC_ROWS_PER_CALL):
-        out = run({"input_ids": ids[i:i + ARC_ROWS_PER_CALL]}, graph="prefill", on_device=on_device)
-        bad += bad_rows(out)
-        scores += [qm.continuation_loglik(lg, row, s, s + 4) for lg, row, s in
-                   zip(out["logits"], ids[i:i + ARC_ROWS_PER_CALL], starts[i:])]
+    scores, bad = arc_scores(run, ids, starts, [s + 4 for s in starts], on_device)
     return scores, bad, time.perf_counter() - started
 
 

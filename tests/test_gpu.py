@@ -211,7 +211,7 @@ def test_a_microscaled_layer_runs_eagerly_on_cuda_and_matches_the_cpu(fmt):
     torch.testing.assert_close(got.cpu(), cpu, rtol=1e-3, atol=1e-3)
 
 
-def test_gpt_neo_scores_arc_and_checks_decode_where_the_engine_ran(tmp_path):
+def test_gpt_neo_scores_arc_and_checks_decode_where_the_engine_ran(tmp_path, monkeypatch):
     """GPT-Neo's ARC scores, non-finite rows and decode check with the outputs left on the GPU
     (batched_run's on_device, as the family's evaluation asks): the same as the same fp32 modules give
     on the CPU, and the outputs asked for on the device stay there."""
@@ -230,7 +230,7 @@ def test_gpt_neo_scores_arc_and_checks_decode_where_the_engine_ran(tmp_path):
         engine = lambda m: (lambda inputs: m(**{k: v.to(device) for k, v in inputs.items()}))
         return steps_measure.batched_run({g: engine(m) for g, m in modules.items()}, setting.batch)
 
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 on both devices
     ids = torch.randint(0, 511, (4, 12), generator=torch.Generator().manual_seed(0))
     results = {}
     with torch.no_grad():

@@ -45,7 +45,7 @@ from torch import nn
 from quantstudy import kernel_kinds
 from quantstudy.families import base, register
 from quantstudy.families.gpt_neo_data import EOS, arc_inputs, arc_rows, content_sha, short_prompts, teacher_forced, tokenizer_files
-from quantstudy.families.gpt_neo_metrics import bad_rows, decode_check, per_question
+from quantstudy.families.gpt_neo_metrics import arc_scores, bad_rows, decode_check, per_question
 from quantstudy.families.gpt_neo_model import ATTENTION_REGION, GRAPHS, Prefill, as_past, fp8_attention
 
 # Kernel groups: the recipe's FP8 projections, the GEMMs that stay fp16 (out_proj, the tied
@@ -53,11 +53,6 @@ from quantstudy.families.gpt_neo_model import ATTENTION_REGION, GRAPHS, Prefill,
 # cache update) and everything else.
 KERNEL_GROUPS = ["FP8 projection GEMMs", "fp16 GEMMs", "attention", "other"]
 REGIONS = {ATTENTION_REGION: "attention"}
-# Prefill rows per engine call when scoring ARC, scored where the engine ran (on_device): on an H100 the
-# evaluations spent 410 of their 420 s after the teacher-forced chunks, 784 CPU-seconds, bringing ARC's and
-# the decode check's 50,257-way logits and K/V caches to the CPU and checking them there, five jobs side by
-# side; alone, the ARC loop took 9.9 s that way and 0.8 s on the GPU for 400 rows (benchmarks/gpt_neo_arc.py).
-ARC_ROWS_PER_CALL = 8
 
 
 @register("gpt_neo")
@@ -290,13 +285,8 @@ class GPTNeo:
         wikitext = qm.next_token_agreement(reference["tf_logits"].float(), tf["logits"].flatten(0, 1).float(),
                                            reference["tf_targets"], torch.arange(chunks).repeat_interleave(positions),
                                            "chunks")
-        scores, bad = [], 0
-        ids, starts, ends = reference["arc_ids"].long(), reference["arc_starts"].tolist(), reference["arc_ends"].tolist()
-        for i in range(0, ids.shape[0], ARC_ROWS_PER_CALL):
-            out = run({"input_ids": ids[i:i + ARC_ROWS_PER_CALL]}, graph="prefill", on_device=True)
-            bad += bad_rows(out)
-            scores += [qm.continuation_loglik(lg, row, s, e) for lg, row, s, e in
-                       zip(out["logits"], ids[i:i + ARC_ROWS_PER_CALL], starts[i:], ends[i:])]
+        ids = reference["arc_ids"].long()
+        scores, bad = arc_scores(run, ids, reference["arc_starts"].tolist(), reference["arc_ends"].tolist())
         nonfinite["arc_easy"] = {"bad": bad, "of": ids.shape[0]}
         questions = reference["arc_question"]
         arc = qm.multiple_choice(per_question(scores, questions), [s["answer"] for s in samples["arc_easy"]],

@@ -1,5 +1,5 @@
 """GPT-Neo's quality checks over engine outputs: the decode engine against the prefill engine
-(`decode_check`), the non-finite rows of a call, and multiple-choice scores per question.
+(`decode_check`), the non-finite rows of a call, and multiple-choice scores (`arc_scores`, per question).
 """
 
 from __future__ import annotations
@@ -18,6 +18,28 @@ def per_question(scores: list[float], question: torch.Tensor) -> list[list[float
     for score, q in zip(scores, question.tolist()):
         out[q].append(score)
     return out
+
+
+# Prefill rows per engine call when scoring ARC, scored where the engine ran (on_device): on an H100 the
+# evaluations spent 410 of their 420 s after the teacher-forced chunks, 784 CPU-seconds, bringing ARC's and
+# the decode check's 50,257-way logits and K/V caches to the CPU and checking them there, five jobs side by
+# side; alone, the ARC loop took 9.9 s that way and 0.8 s on the GPU for 400 rows (benchmarks/gpt_neo_arc.py).
+ARC_ROWS_PER_CALL = 8
+
+
+def arc_scores(run: base.Run, ids: torch.Tensor, starts: list[int], ends: list[int],
+               on_device: bool = True) -> tuple[list[float], int]:
+    """Each ARC row's log-likelihood of its choice's tokens ids[start:end] (prefill engine), and the rows
+    with a non-finite output; scored where the engine ran unless `on_device` is False."""
+    from quantstudy import metrics as qm
+
+    scores, bad = [], 0
+    for i in range(0, ids.shape[0], ARC_ROWS_PER_CALL):
+        out = run({"input_ids": ids[i:i + ARC_ROWS_PER_CALL]}, graph="prefill", on_device=on_device)
+        bad += bad_rows(out)
+        scores += [qm.continuation_loglik(lg, row, s, e) for lg, row, s, e in
+                   zip(out["logits"], ids[i:i + ARC_ROWS_PER_CALL], starts[i:], ends[i:])]
+    return scores, bad
 
 
 def bad_rows(outputs: dict[str, torch.Tensor]) -> int:

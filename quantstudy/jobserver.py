@@ -166,7 +166,7 @@ def serve(address: str, owner: int) -> None:
     if torch.cuda.is_initialized():
         raise SystemExit("quantstudy job server: CUDA was initialized while importing; not serving")
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(address + ".tmp")
         listener.listen(64)
@@ -183,6 +183,14 @@ def serve(address: str, owner: int) -> None:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os._exit(_work(conn))
             conn.close()
+
+
+def exit_on_sigterm(*_: Any) -> None:
+    """The server's SIGTERM handler: exit, once. A run stopped from outside (a call's time limit) sends SIGTERM
+    to the server twice, from its owner and from the limit; a second sys.exit inside the first exit's
+    cleanup printed a traceback into Snakemake's log."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(0)
 
 
 def _work(conn: socket.socket) -> int:

@@ -129,3 +129,18 @@ def _alive(pid: int) -> bool:
     # a worker that exited but is not yet reaped is a zombie
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_the_server_exits_quietly_on_a_second_sigterm_during_its_exit():
+    """A call's time limit and Snakemake each send the server SIGTERM; the second arrived while the first
+    exit ran its cleanup, and a traceback ("Exception ignored in atexit callback") went into the log."""
+    script = textwrap.dedent("""
+        import atexit, os, signal
+        from quantstudy.jobserver import exit_on_sigterm
+        signal.signal(signal.SIGTERM, exit_on_sigterm)
+        atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))  # the second SIGTERM, during the exit
+        os.kill(os.getpid(), signal.SIGTERM)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert (done.returncode, done.stderr) == (0, "")

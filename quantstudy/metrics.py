@@ -25,6 +25,7 @@ MLM_AGREEMENT = ("kl_mean", "kl_p99", "top1_agreement", "tokens", "nonfinite_tok
 CLS_AGREEMENT = ("cosine_mean", "cosine_min", "relative_error", "rows")
 QUALITY_BAR = ("max_relative_l2", "sentences", "passed", "failed")
 TOP1_AGREEMENT = ("top1_agreement", "rows", "disagree")
+LOGIT_KL = ("kl_mean",)
 TOKEN_RELATIVE_ERROR = ("mean", "max", "texts", "nonfinite_texts")
 HEAD_AGREEMENT = ("agreement", "accuracy", "reference_accuracy", "accuracy_diff_points", "pairs", "nonfinite_pairs")
 TOKEN_COSINE = ("min", "mean", "tokens", "nonfinite_tokens")
@@ -59,6 +60,12 @@ def finite_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(x.flatten(1)).all(dim=1)
 
 
+def kl_rows(ref_logits: torch.Tensor, eng_logits: torch.Tensor) -> torch.Tensor:
+    """Per row, KL(PyTorch || engine) of the softmax distributions of the last axis, in float64."""
+    ref, eng = ref_logits.double(), eng_logits.double()
+    return F.kl_div(F.log_softmax(eng, -1), F.log_softmax(ref, -1), log_target=True, reduction="none").sum(-1)
+
+
 def mlm_agreement(ref_logits: torch.Tensor, eng_logits: torch.Tensor, texts: torch.Tensor | None = None,
                   unit: str = "texts") -> dict[str, Any]:
     """KL(PyTorch || engine) per masked token (mean, p99) and top-1 agreement, over finite tokens; the
@@ -69,7 +76,7 @@ def mlm_agreement(ref_logits: torch.Tensor, eng_logits: torch.Tensor, texts: tor
         return {"kl_mean": None, "kl_p99": None, "top1_agreement": None, "tokens": 0,
                 "nonfinite_tokens": int((~ok).sum())}
     ref, eng = ref_logits[ok].double(), eng_logits[ok].double()
-    kl = F.kl_div(F.log_softmax(eng, -1), F.log_softmax(ref, -1), log_target=True, reduction="none").sum(-1)
+    kl = kl_rows(ref, eng)
     return {"kl_mean": float(kl.mean()), "kl_p99": float(torch.quantile(kl, 0.99)),
             "top1_agreement": float((ref.argmax(-1) == eng.argmax(-1)).double().mean()),
             "tokens": int(ok.sum()), "nonfinite_tokens": int((~ok).sum()),
@@ -132,6 +139,17 @@ def top1_agreement(ref_logits: torch.Tensor, eng_logits: torch.Tensor) -> dict[s
     same = (ref_logits.argmax(-1) == eng_logits.argmax(-1)) & finite_rows(eng_logits)
     return {"top1_agreement": float(same.double().mean()), "rows": int(same.numel()),
             "disagree": int((~same).sum())}
+
+
+def logit_kl(ref_logits: torch.Tensor, eng_logits: torch.Tensor, unit: str = "images") -> dict[str, Any]:
+    """Mean KL(PyTorch || engine) of the class distributions over the finite rows, and its interval over
+    rows: beside top-1 agreement, which counts near-ties that flip (random weights have many) and not how
+    far the engine's outputs moved."""
+    ok = finite_rows(eng_logits)
+    if not ok.any():
+        return {"kl_mean": None}
+    kl = kl_rows(ref_logits[ok], eng_logits[ok])
+    return {"kl_mean": float(kl.mean()), "intervals": {"kl_mean": mean_interval(kl, unit=unit)}}
 
 
 def top1_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float | None:

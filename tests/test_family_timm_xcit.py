@@ -419,7 +419,7 @@ def test_an_engine_equal_to_the_reference_agrees_everywhere(fam, tiny, eval_sets
     result = fam.evaluate(tiny, _engine(fam, tiny, 4, calls), reference[0], eval_sets, batch4, EVAL_METRICS,
                           EVAL_SEEDS, "cpu", {})
     for name, samples in eval_sets.items():
-        assert result.blocks[name]["top1_agreement"] == 1.0
+        assert result.blocks[name]["top1_agreement"] == 1.0 and result.blocks[name]["kl_mean"] == 0.0
         assert result.blocks[name]["rows"] == len(samples) and result.blocks[name]["disagree"] == 0
         assert result.blocks[name]["top1_accuracy"] == reference[1][name]["top1_accuracy"]
         assert result.nonfinite[name] == {"bad": 0, "of": len(samples)}
@@ -460,6 +460,12 @@ def test_fp8_disagreement_is_measured_against_fp32_and_against_another_engine(fa
             mine = run_fp8({"pixel_values": x})["logits"].argmax(-1)
         want = float((mine == reference[0][f"{name}_logits"].argmax(-1)).double().mean())
         assert result.blocks[name]["top1_agreement"] == want
+        ref = reference[0][f"{name}_logits"].double()
+        with torch.no_grad():
+            q = torch.softmax(run_fp8({"pixel_values": x})["logits"].double(), -1)
+        p = torch.softmax(ref, -1)
+        assert abs(result.blocks[name]["kl_mean"] - float((p * (p.log() - q.log())).sum(-1).mean())) < 1e-9
+        assert result.blocks[name]["kl_mean"] > 0
         # the fp32 engine is the reference up to rounding: the same agreement against it
         assert result.blocks[f"{name}_vs_fp32"]["top1_agreement"] == want
     assert_declares_its_quality_columns(fam, result, reference[1], list(eval_sets), ["fp32"])

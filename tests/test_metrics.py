@@ -66,6 +66,19 @@ def test_top1_agreement_by_hand_and_a_nan_row_disagrees():
     assert qm.top1_agreement(ref, ref.clone())["top1_agreement"] == 1.0
 
 
+def test_logit_kl_by_hand_over_the_finite_rows():
+    """p = (1/2, 1/2) against q = (3/4, 1/4): KL(p || q) = 1/2 ln(2/3) + 1/2 ln 2 = 1/2 ln(4/3); against
+    itself 0; a NaN row is left out of the mean and of the interval's rows."""
+    ref = torch.zeros(3, 2)
+    eng = torch.tensor([[math.log(3.0), 0.0], [0.0, 0.0], [math.nan, 0.0]], dtype=torch.float64)
+    m = qm.logit_kl(ref, eng)
+    assert abs(m["kl_mean"] - 0.5 * math.log(4 / 3) / 2) < 1e-12
+    interval = m["intervals"]["kl_mean"]
+    assert interval["n"] == 2 and interval["unit"] == "images"
+    assert interval["low"] <= m["kl_mean"] <= interval["high"]
+    assert qm.logit_kl(ref, torch.full((3, 2), math.nan)) == {"kl_mean": None}
+
+
 def test_top1_agreement_refuses_logits_of_another_shape():
     with pytest.raises(ValueError, match="differ in shape"):
         qm.top1_agreement(torch.zeros(3, 10), torch.zeros(3, 11))

@@ -111,6 +111,27 @@ def test_xcit_counts_render_as_counts_beside_failed_rows():
     assert not re.search(r"\d\.0 (of|/) \d", section)
 
 
+def test_xcit_quality_table_gives_kl_where_the_run_measured_it():
+    """The XCiT questions evidence predates the KL column and renders none; the same tables with a KL per
+    set give it in each agreement cell and say what it is above the table."""
+    import copy
+
+    from quantstudy import artifacts
+
+    from helpers import ROOT
+
+    tables = artifacts.read_json(ROOT / "results/h200-xcit-questions/timm_xcit/results/timm_xcit/tables.json", "tables")
+    assert "KL" not in render.render_section(tables)
+    with_kl = copy.deepcopy(tables)
+    for r in with_kl["quality"]:
+        if r["status"] == "ok":
+            r["heldout.kl_mean"], r["extra_heldout.kl_mean"] = 0.000125, 0.0025
+    section = render.render_section(with_kl)
+    row = next(line for line in section.splitlines() if line.startswith("| xcit-nano, `b1` | h200-torch | fp8-per-channel |"))
+    assert "(8 of 500 differ; KL 1.3e-04)" in row and "(40 of 1,500 differ; KL 0.0025)" in row, row
+    assert "KL: the mean over the set's images of KL(PyTorch fp32 || engine)" in section
+
+
 def test_a_quality_only_run_names_the_baseline_it_evaluated():
     """The committed GPT-Neo questions evidence times no engine: the verdict's first sentence still names
     the baseline its quality conditions compare with, not an empty list."""

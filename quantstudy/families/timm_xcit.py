@@ -321,8 +321,8 @@ class TimmXcit:
     def evaluate(self, checkpoint: str | Path, run: base.Run, reference: dict[str, torch.Tensor],
                  samples: dict[str, list[dict[str, Any]]], setting: base.Setting, metrics: dict[str, Any],
                  seeds: dict[str, int], device: str, against: Any = None) -> base.Evaluation:
-        """Top-1 agreement of the engine with the fp32 reference and top-1 accuracy against the labels,
-        per evaluation set; the non-finite scan over those sets and `metrics.stress_inputs` stress
+        """Top-1 agreement of the engine with the fp32 reference, the mean KL from it, and top-1 accuracy
+        against the labels, per evaluation set; the non-finite scan over those sets and `metrics.stress_inputs` stress
         images. Against another variant's engine (`quality_against`): top-1 agreement with it, per set.
         """
         from quantstudy import metrics as qm
@@ -332,7 +332,7 @@ class TimmXcit:
         for name, rows in samples.items():
             logits = engine_logits(run, transform, rows, batch, name)
             ref = reference[f"{name}_logits"]
-            blocks[name] = {**qm.top1_agreement(ref, logits),
+            blocks[name] = {**qm.top1_agreement(ref, logits), **qm.logit_kl(ref, logits),
                             "top1_accuracy": qm.top1_accuracy(logits, reference[f"{name}_labels"])}
             nonfinite[name] = {"bad": qm.nonfinite_rows(logits), "of": logits.shape[0]}
             for other_name, other in (against or {}).items():
@@ -348,7 +348,7 @@ class TimmXcit:
         from quantstudy import metrics as qm
 
         return base.QualityColumns(
-            blocks={**{s: (*qm.TOP1_AGREEMENT, "top1_accuracy") for s in evaluation_samples},
+            blocks={**{s: (*qm.TOP1_AGREEMENT, *qm.LOGIT_KL, "top1_accuracy") for s in evaluation_samples},
                     **{base.against_block(s, v): qm.TOP1_AGREEMENT for s in evaluation_samples for v in against}},
             nonfinite=(*evaluation_samples, "stress"),
             reference={s: ("top1_accuracy", "images") for s in evaluation_samples})

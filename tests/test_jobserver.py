@@ -15,7 +15,7 @@ import pytest
 
 from quantstudy import jobserver
 
-from helpers import skip_without_gpu
+from helpers import ROOT, skip_without_gpu
 
 JOB_MODULE = textwrap.dedent("""
     import json, os, sys, time
@@ -142,5 +142,5 @@ def test_the_server_exits_quietly_on_a_second_sigterm_during_its_exit():
         os.kill(os.getpid(), signal.SIGTERM)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert (done.returncode, done.stderr) == (0, "")

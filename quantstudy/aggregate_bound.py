@@ -1,8 +1,8 @@
 """The Amdahl bound beside each speed row, and beside each profile the timed call it splits.
 
 f comes from the baseline's kernels.json, g from the GEMM job's gemm.json (bound.py has the formula);
-where either is missing or failed, or the baseline's profile disagrees with its own timing, the row's
-`bound_note` says why and the bound is left out.
+where either is missing or failed, the study does not profile (`timing.profile: false`), or the baseline's
+profile disagrees with its own timing, the row's `bound_note` says why and the bound is left out.
 """
 
 from __future__ import annotations
@@ -22,13 +22,18 @@ def _error_text(doc: dict[str, Any]) -> str:
     return error_of(doc) or "no error text"
 
 
-def row_bound(row: dict[str, Any], gemms: dict[tuple, tuple[str, dict | None]], kernels: dict[tuple, tuple[str, dict]],
+NOT_PROFILED = "not profiled in this run (timing.profile: false)"
+
+
+def row_bound(row: dict[str, Any], gemms: dict[tuple, tuple[str, dict | None]] | None, kernels: dict[tuple, tuple[str, dict]],
            baseline: str, threshold: float, profiles: dict[tuple, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The Amdahl bound of one speed row (bound.py): f from its baseline's kernels.json, g from the
-    gemm.json of its target, model and setting; where either is missing or failed, or the baseline's
-    profile disagrees with its timing (`profiles`: kernels rows by target, model, setting, graph and
-    variant, as with_timed judged them), `bound_note` says why."""
+    gemm.json of its target, model and setting (`gemms` None: the study profiles nothing); where either is
+    missing or failed, or the baseline's profile disagrees with its timing (`profiles`: kernels rows by
+    target, model, setting, graph and variant, as with_timed judged them), `bound_note` says why."""
     out: dict[str, Any] = dict.fromkeys(BOUND_COLUMNS)
+    if gemms is None:
+        return out | {"bound_note": NOT_PROFILED}
     key = (row["target"], row["model"], row["setting"])
     if key not in gemms:
         return out | {"bound_note": "no FP8 layer"}
@@ -76,7 +81,7 @@ def row_bound(row: dict[str, Any], gemms: dict[tuple, tuple[str, dict | None]], 
     return out
 
 
-def with_bounds(speed: pd.DataFrame, gemms: dict, kernels: dict, baselines: dict[str, str],
+def with_bounds(speed: pd.DataFrame, gemms: dict | None, kernels: dict, baselines: dict[str, str],
                  threshold: float, profiles: dict[tuple, dict[str, Any]]) -> pd.DataFrame:
     bounds = [row_bound(r, gemms, kernels, baselines[r["setting"]], threshold, profiles) for r in as_records(speed)]
     return pd.concat([speed, pd.DataFrame(bounds, index=speed.index, columns=list(BOUND_COLUMNS))], axis=1)

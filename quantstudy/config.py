@@ -141,6 +141,7 @@ def load_study(spec_path: str | Path, overrides: str | list[str] | None = None, 
     # One timing job and one evaluation job per engine unless asked; int: the schema's integer also admits 2.0.
     doc["timing"]["repeats"] = int(doc["timing"].get("repeats", 1))
     doc["timing"]["min_effect"] = {**MIN_EFFECT, **doc["timing"].get("min_effect", {})}
+    doc["timing"]["profile"] = doc["timing"].get("profile", True)
     doc.setdefault("reference_dtype", "float32")
     doc.setdefault("quality_against", [])
     evaluation = doc.get("evaluation") or {}
@@ -248,7 +249,7 @@ def _build_study(doc: dict[str, Any], where: str, against_code: bool) -> Study:
         Recipe.from_params(doc["recipe"]), Baseline(doc["baseline"]["default"], dict(doc["baseline"].get("by_setting", {}))),
         doc["candidate"],
         Timing(timing["warmup"], timing["rounds"], timing["calls_per_round"], timing["repeats"], timing["min_effect"],
-               timing.get("min_round_ms")),
+               timing.get("min_round_ms"), timing["profile"]),
         Decision(tuple(Condition.from_config(c) for c in doc["decision"]["conditions"])),
         doc["metrics"], doc["seeds"], tuple(doc["evaluation_samples"]), tuple(doc["quality_against"]),
         doc["reference_dtype"], doc["evaluation"]["repeats"], doc["evaluation"].get("rebuild", False),

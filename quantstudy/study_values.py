@@ -147,7 +147,8 @@ class Decision:
 @dataclass(frozen=True)
 class Timing:
     """How a study times (`timing`): each job's warm-up, rounds and calls per round, how many separate
-    jobs per timed variant (`repeats`), and the smallest change that counts (`min_effect`: x and ms, shares)."""
+    jobs per timed variant (`repeats`), the smallest change that counts (`min_effect`: x and ms, shares),
+    and whether each timed engine is profiled and its GEMMs timed alone (`profile`)."""
 
     warmup: int
     rounds: int
@@ -155,6 +156,7 @@ class Timing:
     repeats: int
     min_effect: dict[str, float]
     min_round_ms: float | None = None
+    profile: bool = True
 
     def job_params(self) -> dict[str, Any]:
         """How each timing job times, as a rule's params: not `repeats` (raising it adds jobs, reruns none)."""

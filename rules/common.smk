@@ -208,8 +208,10 @@ def build_measures_speed(w):
 def engine_files(s, pattern):
     """Every per-variant artifact of a study (`pattern`: paths.BUILD, paths.TIMING, ...): each engine it
     measures (builds and their measurements records: each engine it builds; timings and kernels: not
-    those of models with `timing: false`), on each of its targets; timings and qualities: each of the
-    study's repeats."""
+    those of models with `timing: false`; kernels: none where `timing.profile` is false), on each of its
+    targets; timings and qualities: each of the study's repeats."""
+    if pattern == paths.KERNELS and not s.timing.profile:
+        return []
     if pattern in (paths.BUILD, paths.MEASUREMENTS):
         engines = s.builds(RUN.targets)
     else:
@@ -238,7 +240,9 @@ def fp8_variant_specs(w):
 
 
 def gemm_files(s):
-    """gemm.json of every target, model and setting where the study times an FP8 variant."""
+    """gemm.json of every target, model and setting where the study times an FP8 variant and profiles."""
+    if not s.timing.profile:
+        return []
     keys = dict.fromkeys((t, m, st) for t, m, st, _ in s.engines(RUN.targets, timed_only=True))
     return [paths.GEMM.format(study=s.name, target=t, model=m, setting=st) for t, m, st in keys if fp8_variants_timed(s, t, m, st)]
 

@@ -299,6 +299,30 @@ def test_a_quality_only_variant_is_built_and_evaluated_but_plans_no_timing_jobs(
         qc.load_study(entry["spec"], entry["overrides"])
 
 
+def test_a_study_that_does_not_profile_plans_timing_jobs_and_no_profile_or_gemm_job(tmp_path):
+    """`timing.profile: false` (a short GPU call): every timed variant keeps its time job; no profile job and
+    no gemm job is planned, and the aggregate reads none of their files."""
+    from quantstudy.devtools import planned_jobs
+
+    override = tmp_path / "no-profile.yaml"
+    override.write_text("timing: {profile: false}\n")
+    doc = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    entry = {**doc["studies"]["gpt_neo"], "overrides": [doc["studies"]["gpt_neo"]["overrides"], str(override)]}
+    assert qc.load_study(entry["spec"], entry["overrides"]).timing.profile is False
+    assert qc.load_study(entry["spec"], entry["overrides"][:1]).timing.profile is True
+    for inputs in ("config", "templates", "docs"):  # what the aggregate and render jobs read from the checkout
+        (tmp_path / inputs).symlink_to(ROOT / inputs)
+    proc = dry_run_with_studies(tmp_path, {"gpt_neo": entry})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rules = [rule for rule, _ in planned_jobs(proc.stdout)]
+    timed = {w["variant"] for rule, w in planned_jobs(proc.stdout) if rule == "time"}
+    assert {"fp8", "fp16", "fp8-c_fc"} <= timed
+    assert "profile" not in rules and "gemm" not in rules and "aggregate" in rules
+    override.write_text("timing: {profile: 'no'}\n")
+    with pytest.raises(qc.ConfigError, match=r"timing\.profile: 'no' is not of type 'boolean'"):
+        qc.load_study(entry["spec"], entry["overrides"])
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c.update(column="zzz"), "column 'zzz' is no column of the speed table; its columns: at_limit, backend"),
     (lambda c: c.update(column="x_mni"), "column 'x_mni' is no column of the speed table; did you mean x_min"),

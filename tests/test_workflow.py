@@ -196,6 +196,28 @@ def test_every_speed_row_carries_its_bound_and_the_readme_shows_it(workflow_copy
     assert "1 / ((1 - f) + f / g)" in (workflow_copy / "docs/reading-a-study.md").read_text()
 
 
+def test_a_study_that_does_not_profile_says_so_in_every_bound_cell_and_the_kernel_fold(workflow_copy, monkeypatch):
+    """The FNet tables made again as a `timing.profile: false` run makes them (no kernels.json, no gemm.json
+    among the inputs): every speed row keeps its x, its bound is left out for that reason, not "no FP8
+    layer", and the README says why it has no kernel table."""
+    from quantstudy import aggregate, artifacts, render
+
+    monkeypatch.chdir(workflow_copy)  # the recorded input paths are the workflow's, relative to it
+    tables = json.loads(Path("results/fnet/tables.json").read_text())
+    params = json.loads(json.dumps(tables["provenance"]["params"]))
+    params["study"]["timing"]["profile"] = False
+    inputs = aggregate.inputs_of(tables) | {"kernels": [], "gemms": []}
+    remade = tables | artifacts.plain(aggregate.tables(inputs, **params))
+    assert len(remade["speed"]) == len(tables["speed"]) and not remade["kernels"]
+    assert [r["x"] for r in remade["speed"]] == [r["x"] for r in tables["speed"]]
+    assert {r["bound_note"] for r in remade["speed"]} == {"not profiled in this run (timing.profile: false)"}
+    assert {r["bound"] for r in remade["speed"]} == {None}
+    section = render.render_section(remade)
+    assert "No engine was profiled in this run (`timing.profile: false`)" in section
+    assert "Kernel time per call" not in section
+    assert "Kernel time per call" in render.render_section(tables)
+
+
 def test_noop_rerun_does_nothing(workflow_copy):
     proc = snakemake(workflow_copy, "-n", "--configfile", ".test/config.yaml")
     assert proc.returncode == 0

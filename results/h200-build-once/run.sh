@@ -7,7 +7,7 @@
 #   OUT=/some/dir bash results/h200-build-once/run.sh
 # Both passes of the study (pass 1: everything but `time` and `profile`, builds compiling side by side;
 # pass 2: the measurements, one at a time), timed as one; then the GPU tests (GPUTESTS=0: none).
-# Every call ends by packing what exists into $OUT/evidence.tar.gz (no engines, ONNX or safetensors).
+# Every stage and every call end by packing what exists into $OUT/evidence.tar.gz (no engines, ONNX or safetensors).
 # Also the GPT-Neo evidence (results/h200-gpt-neo/): STUDY names the study, EV the folder of its log and
 # stage markers, CALL a config file layered over config/h200.yaml (config/realsize/calls/).
 # TVP (model/setting patterns, e.g. 'xcit-*/b1'): after the study, benchmarks/torch_vs_plain.py on
@@ -21,12 +21,22 @@ ev=${EV:-results/evidence-build-once} && mkdir -p $ev
 t0=$(date +%s)
 left() { echo $(( ${BUDGET:-560} - ($(date +%s) - t0) )); }  # the device call's 600 s, less packing
 log() { echo "[$(date -u +%FT%TZ)] $*" | tee -a $ev/log.txt; }
+study=${STUDY:-timm_xcit}
+# What exists, into $OUT/evidence.tar.gz (written whole, then renamed): after every stage too, so that a call
+# the device stops at a limit shorter than BUDGET (less device time left than asked) still returns its stages.
+pack() {
+  find results/$study logs/$study benchmarks/$study \
+    \( -name '*.json' -o -name '*.md' -o -name '*.log' -o -name '*.tsv' -o -name '*.png' \) ! -path '*/data/*' 2>/dev/null |
+    tar czf $OUT/evidence.tar.gz.part -T - $ev $(ls -d results/torch-vs-plain/compile-workers 2>/dev/null) &&
+    mv $OUT/evidence.tar.gz.part $OUT/evidence.tar.gz
+}
 stage() {
   local name=$1; shift
   [ -e $ev/$name.done ] && return 0
   [ $(left) -gt 20 ] || { log "$name: no time left in this call"; return 1; }
   log "$name: start"
-  if timeout $(left) bash -c "$*"; then touch $ev/$name.done; log "$name: done"; else log "$name: stopped ($?)"; return 1; fi
+  if timeout $(left) bash -c "$*"; then touch $ev/$name.done; log "$name: done"; else log "$name: stopped ($?)"; pack; return 1; fi
+  pack
 }
 machine() {
   nvidia-smi -q -x > $ev/nvidia-smi.xml 2>&1
@@ -36,7 +46,6 @@ sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 
 onnxruntime.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"; lscpu | head -20; free -g
   } > $ev/machine.txt 2>&1
 }
-study=${STUDY:-timm_xcit}
 sm="python3 -m snakemake --configfile config/h200.yaml ${CALL:-} --cores 16 --keep-going --rerun-incomplete"
 # The targets come first: --omit-from takes every word after it as a rule name.
 pass1() { $sm results/$1/README.md results/$1/audit.json --omit-from time profile >> $ev/snakemake-$1-1.txt 2>&1; }
@@ -60,7 +69,5 @@ stage machine machine || ok=0
 [ $ok = 1 ] && python3 benchmarks/gpu_cost.py . --study $study > $ev/gpu_cost-$study.txt 2>&1
 [ $ok = 1 ] && [ -n "${TVP:-}" ] && { stage tvp tvp $(( $(left) - 40 )) || ok=0; }
 [ $ok = 1 ] && { [ "${GPUTESTS:-1}" = 0 ] || stage gputests gputests; } && log "all stages done"
-find results/$study logs/$study benchmarks/$study \
-  \( -name '*.json' -o -name '*.md' -o -name '*.log' -o -name '*.tsv' -o -name '*.png' \) ! -path '*/data/*' 2>/dev/null |
-  tar czf $OUT/evidence.tar.gz -T - $ev $(ls -d results/torch-vs-plain/compile-workers 2>/dev/null)
+pack
 ls -la $OUT

@@ -132,8 +132,9 @@ def tables(inputs: dict[str, list[str]], study: dict[str, Any], baselines: dict[
                                for _, doc in readable(inputs[kind], schema, []))
     if len(speed):
         speed = _with_x_intervals(speed, noise)
-        profiled = {(d["target"], d["model"], d["setting"], d["variant"]): (p, d) for p, d in kernel_files}
-        speed = with_bounds(speed, gemms if study["timing"]["profile"] else None, profiled, baselines, threshold, profiles)
+        kernels_by_engine = {(d["target"], d["model"], d["setting"], d["variant"]): (p, d) for p, d in kernel_files}
+        speed = with_bounds(speed, gemms if study["timing"]["profile"] else None, kernels_by_engine, baselines, threshold,
+                            profiles)
     log.info("%d timing, %d quality, %d build, %d kernel rows", len(speed), len(quality), len(builds), len(kernels))
     calibration = [calibration_row(a, study) for a in amax]
     published = load_published(inputs["published"][0]) if inputs.get("published") else None

@@ -35,8 +35,11 @@ stage() {
   [ -e $ev/$name.done ] && return 0
   [ $(left) -gt 20 ] || { log "$name: no time left in this call"; return 1; }
   log "$name: start"
-  if timeout $(left) bash -c "$*"; then touch $ev/$name.done; log "$name: done"; else log "$name: stopped ($?)"; pack; return 1; fi
+  local rc=0
+  timeout $(left) bash -c "$*" || rc=$?
+  if [ $rc = 0 ]; then touch $ev/$name.done; log "$name: done"; else log "$name: stopped ($rc)"; fi
   pack
+  [ $rc = 0 ]
 }
 machine() {
   nvidia-smi -q -x > $ev/nvidia-smi.xml 2>&1

@@ -72,3 +72,17 @@ def test_a_value_edited_after_its_job_wrote_it_is_refused_on_read(tmp_path):
         read_json(path, "samples")
     with pytest.raises(DamagedArtifact, match="was edited after the job"):  # also where the reader names no kind
         read_json(path)
+
+
+def test_a_cpu_job_records_and_names_the_vector_isa_its_kernels_used():
+    """A CPU timing depends on the ISA torch dispatches to (on AVX2 alone float16 GEMMs are emulated, 10 to 30
+    times slower than float32): every job records it, and a README's device says it."""
+    import torch
+
+    hw = artifacts.hardware()
+    assert hw["cpu_isa"] == torch.backends.cpu.get_cpu_capability()
+    assert artifacts.device_name({"cpus": 2, "cpu_isa": "AVX2"}) == "CPU with AVX2"
+    assert artifacts.device_name({"cpus": 2}) == "CPU"  # a job written before it was recorded
+    assert artifacts.device_name({"cpu_isa": "AVX2", "gpu": "NVIDIA H100 80GB HBM3"}) == "NVIDIA H100 80GB HBM3"
+    docs = [{"provenance": {"hardware": {"cpu_isa": isa}}} for isa in ("AVX2", "AVX2", "AVX512")]
+    assert artifacts.devices(docs) == [{"device": "CPU with AVX2", "jobs": 2}, {"device": "CPU with AVX512", "jobs": 1}]

@@ -178,8 +178,8 @@ def _describe(step: dict[str, Any]) -> str:
     line = f"{pad}{step['path']}"
     if step.get("rule"):
         hw = step["hardware"]
-        cpu = ", ".join(str(v) for v in (hw.get("cpu_model"), hw.get("cpu_isa")) if v)
-        gpu = artifacts.gpu_name(hw) or f"CPU ({cpu + ', ' if cpu else ''}{hw.get('cpus')} cores, {hw.get('host')})"
+        cpu = (hw.get("cpu_model"), hw.get("cpu_isa"), f"{hw.get('cpus')} cores", f"{hw.get('host')}")
+        gpu = artifacts.gpu_name(hw) or f"CPU ({', '.join(v for v in cpu if v)})"
         soft = ", ".join(f"{k} {v}" for k, v in step["software"].items() if k in ("torch", "transformers", "onnxruntime",
                                                                                   "tensorrt", "nvidia-modelopt"))
         line += (f"\n{pad}  rule {step['rule']}, {step['started']} to {step['finished']}, commit {step['commit']}"

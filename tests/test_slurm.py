@@ -8,11 +8,12 @@ Slurm packages it skips, unless QUANTSTUDY_REQUIRE_SLURM=1 (CI),
 where that is a failure. Its wall time, one GPU and one CPU sbatch line and the Slurm records
 go to logs/test_slurm/summary.md.
 
-The DAG is the workflow tests' run (.test/config.yaml: the FNet study on one tiny model at one
-setting, two targets and a variant that fails to build; 44 jobs, every rule of the workflow) on a
-node of four test GPUs; each GPU job must have had a card of its own. Through Slurm every job is a
-process of its own that imports torch (8 s a job on 2 cores), so a larger DAG costs CI minutes and
-tests no more rules: the embedded default's fnet-base alone (106 jobs) took 17 of CI's 35 minutes.
+The DAG is the workflow tests' run less the variants that only repeat its rules (.test/slurm.yaml: the
+FNet study on one tiny model at one setting, two targets, the baseline, the candidate, the fp16 build that
+returns NaN at 512 and a variant that fails to build; 41 jobs, every rule of the workflow but `rebuild`) on a node of four
+test GPUs; each GPU job must have had a card of its own. Through Slurm every job is a process of its own
+that imports torch (8 s a job on 2 cores), so a larger DAG costs CI minutes and tests no more rules: the
+workflow tests' whole run (51 jobs) took 639 s on an AVX2-only 2-core VM (2026-12-06), CI's slowest test.
 QS_SLURM_TEST_CONFIG=config/config.yaml runs the whole embedded default (about 380 jobs).
 """
 import copy
@@ -39,7 +40,7 @@ STOP = ROOT / "scripts/slurm/stop_test_cluster.sh"
 PARTITION, GPU_MODEL = "test", "testgpu"  # the test cluster's names for b200's
 STATE = Path(os.environ.get("QS_SLURM_STATE", "/var/tmp/quantstudy-slurm"))
 MEASURED = {"timing.json", "kernels.json", "gemm.json"}  # measured per run: compared by structure only
-CONFIG = os.environ.get("QS_SLURM_TEST_CONFIG", ".test/config.yaml")
+CONFIG = os.environ.get("QS_SLURM_TEST_CONFIG", ".test/slurm.yaml")
 
 
 def load_profile(name):
@@ -306,8 +307,12 @@ def test_dag_through_slurm(slurm_cluster, tmp_path):
     for r in records:
         per_rule.setdefault(rule_of(r["Comment"]), []).append(r)
 
-    # Every job but the target rule went through sbatch, and Slurm ran each to completion.
+    # Every job but the target rule went through sbatch, and Slurm ran each to completion; the DAG
+    # took every rule of the workflow but `rebuild` (a build-to-build repeat no tiny config asks for).
     assert ran_locally <= {"all"}, ran_locally
+    rules = subprocess.run([sys.executable, "-m", "snakemake", "--list-rules"], cwd=on_slurm,
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert set(stats) == set(rules) - {"rebuild"}, sorted(set(rules) ^ set(stats))
     assert {rule: len(rs) for rule, rs in per_rule.items()} == {
         rule: n for rule, n in stats.items() if rule not in ran_locally}
     assert all(r["JobState"] == "COMPLETED" and r["Partition"] == PARTITION for r in records)

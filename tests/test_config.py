@@ -255,6 +255,7 @@ def test_a_quality_only_model_is_built_and_evaluated_but_not_timed(tmp_path):
 def test_a_quality_only_model_cannot_have_a_timing_only_setting(tmp_path):
     doc = study_doc()
     doc["models"]["fnet-large"]["timing"] = False
+    doc["models"]["fnet-large"]["settings"] = ["w256", "b8-w512"]
     with pytest.raises(qc.ConfigError, match=r"model 'fnet-large' has timing: false, so its setting 'b8-w512' "
                                              r"\(quality: false\) would measure nothing"):
         load(doc, tmp_path)

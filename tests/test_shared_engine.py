@@ -24,6 +24,7 @@ TINY_QUERIES = 16  # config/architectures/tiny-deformable-detr.json
 
 def shared_doc() -> dict:
     doc = study_doc()
+    doc["models"]["fnet-large"]["settings"] = ["w256", "w512", "b8-w512"]  # the study's (the embedded default has no b8)
     doc["settings"]["b8-w512"]["engine"] = "w512"
     return doc
 

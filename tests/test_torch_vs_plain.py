@@ -156,7 +156,7 @@ def test_budget_stops_cleanly_before_a_setting_and_keeps_the_order_asked(bench, 
     assert [f"{r['model']}/{r['setting']}" for r in every[:5]] == [
         "fnet-base/w128", "fnet-base/w256", "fnet-base/w512", "fnet-base/b8-w512", "fnet-large/w256"]
     assert [f"{r['model']}/{r['setting']}" for r in every[-2:]] == ["deformable-detr/800x800", "deformable-detr/800x1067"]
-    assert len(every) == 7 + 8 + 2 + 1 + 2  # every timed setting of the five studies
+    assert len(every) == 6 + 8 + 2 + 1 + 2  # every timed setting of the five studies
 
 
 def test_a_setting_whose_build_fails_is_a_failed_row_and_the_others_are_measured(bench, checkout):

@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
+from helpers import ROOT
 from quantstudy import audit_checks, config as qc, steps, steps_engines, steps_measure
 
 from test_config import load, study_doc
 
+FNET_SPEC = ROOT / "config/studies/fnet.yaml"
 SQUARE = {"name": "96x96", "batch": 1, "shape": {"height": 96, "width": 96}, "quality": False}
 WIDE = {"name": "96x128", "batch": 1, "shape": {"height": 96, "width": 128}, "quality": False}
 FP16 = {"precision": "float16", "transforms": []}
@@ -24,7 +27,8 @@ TINY_QUERIES = 16  # config/architectures/tiny-deformable-detr.json
 
 def shared_doc() -> dict:
     doc = study_doc()
-    doc["models"]["fnet-large"]["settings"] = ["w256", "w512", "b8-w512"]  # the study's (the embedded default has no b8)
+    # fnet-large's settings as the study has them: the embedded default leaves out its b8-w512
+    doc["models"]["fnet-large"]["settings"] = yaml.safe_load(FNET_SPEC.read_text())["models"]["fnet-large"]["settings"]
     doc["settings"]["b8-w512"]["engine"] = "w512"
     return doc
 

@@ -209,6 +209,20 @@ def test_the_verdict_gives_each_conditions_baseline_samples_and_threshold_basis(
     assert "it fails 2 of the 3 conditions" in section
 
 
+def test_a_condition_no_row_measured_says_not_measured_without_rows_or_rounds():
+    """A quality-only run (no engine timed): the speed condition reads "not measured", not "not measured
+    over 0 rows, each the median of 21 rounds", which describes timings that never ran."""
+    from quantstudy import artifacts
+
+    from helpers import ROOT
+
+    untimed = artifacts.read_json(ROOT / "results/h200-xcit-questions/timm_xcit/results/timm_xcit/tables.json", "tables")
+    speed = next(line for line in render.render_section(untimed).splitlines() if line.startswith("- **not met: speedup"))
+    assert "`fp8`: not measured. Needs at least 1.10x (no rows)." in speed
+    timed = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
+    assert "`fp8`: 0.96x to 0.97x, each the median of 21 rounds of 50 calls. Needs" in render.render_section(timed)
+
+
 def test_a_percentage_carries_the_precision_its_samples_support():
     assert render_formats.pct_of(1.0, 16) == "100%" and render_formats.pct_of(15 / 16, 16) == "94%"
     assert render_formats.pct_of(0.9975, 400) == "99.8%" and render_formats.pct_of(0.9985, 2000) == "99.85%"

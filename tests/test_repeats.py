@@ -380,3 +380,22 @@ def _dry_run_with_evaluation(tmp_path, evaluation: str):
                            "--nolock", "--configfile", config], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def test_detr_readme_gives_the_agreement_spread_and_says_when_ap_cannot_show_build_noise():
+    # Random-init weights detect nothing: AP is 0 on every build, so only the agreement metrics can move.
+    tables = artifacts.read_json(DETR_EVIDENCE, "tables")
+    rebuilt = _rebuilt(_rebuilt(tables, "heldout.ap", 0.0), "heldout.logit_correlation", 2e-6)
+    text = render.render_section(rebuilt)
+    assert "- Agreement with PyTorch fp32 across the same builds (spread, max - min, over 4 engines):" in text
+    assert "logit correlation 2.0e-06," in text
+    assert "Every build's AP here is 0 (weights that detect nothing" in text
+
+    for r in rebuilt["quality"]:
+        if r.get("heldout.ap.jobs_max") is not None:
+            r["heldout.ap.jobs_max"] = r["heldout.ap"] = 0.46
+    assert "Every build's AP here is 0" not in render.render_section(rebuilt)
+    for r in rebuilt["quality"]:
+        for k in [k for k in r if k.startswith(("heldout.logit_correlation.jobs", "heldout.precision.jobs"))]:
+            r[k] = None
+    assert "Agreement with PyTorch fp32" not in render.render_section(rebuilt)

@@ -20,7 +20,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-GPU_RULES = ("reference", "calibrate", "build", "time", "profile", "gemm", "evaluate")
+GPU_RULES = ("reference", "calibrate", "build", "rebuild", "time", "profile", "gemm", "evaluate")
 MEASUREMENT_RULES = ("time", "profile", "gemm", "evaluate")
 OPENED = re.compile(r" opened \S+ at .* in ([0-9.]+) s from .*")
 PHASE = re.compile(r"(\w+) (-?[0-9.]+) s")  # a part of an opening in its `opened` line: "trace 3.21 s"

@@ -117,6 +117,19 @@ def test_gpu_cost_sums_each_rules_benchmark_seconds():
     assert re.search(r"^time\s+8\s+142\.9\s+78\.7\s+64\.2\s+10\.1$", gpu_cost.report(found), re.M)
 
 
+def test_gpu_cost_counts_the_rebuild_jobs_as_gpu_jobs():
+    """A rebuild (`evaluation.rebuild`) compiles an engine on the GPU as `build` does: its rule gets a row,
+    its seconds the sum of its TSVs (DETR's GPU rebuild-spread run: two rebuild-r2 jobs)."""
+    import re
+
+    gpu_cost = _gpu_cost()
+    run = ROOT / "results/h200-detr-rebuild/deformable_detr"
+    found = gpu_cost.jobs(run, "deformable_detr")
+    tsvs = sorted((run / "benchmarks").rglob("rebuild-r2.tsv"))
+    seconds = sum(float(p.read_text().splitlines()[1].split("\t")[0]) for p in tsvs)
+    assert len(tsvs) == 2 and re.search(rf"^rebuild\s+2\s+{seconds:.1f}\s", gpu_cost.report(found), re.M)
+
+
 def test_gpu_cost_splits_each_rules_openings_into_their_parts(tmp_path):
     """The parts of each opening (TorchBackend.open's log line) summed per rule, with the largest of one
     opening; a job whose log gives no parts (a run from before them) adds none. The largest opening of

@@ -221,6 +221,10 @@ def test_a_condition_no_row_measured_says_not_measured_without_rows_or_rounds():
     assert "`fp8`: not measured. Needs at least 1.10x (no rows)." in speed
     timed = artifacts.read_json(ROOT / "results/h200-build-once/xcit/results/timm_xcit/tables.json", "tables")
     assert "`fp8`: 0.96x to 0.97x, each the median of 21 rounds of 50 calls. Needs" in render.render_section(timed)
+    # Its speed section: a sentence, not a table of headers only.
+    header = "| Model, setting | Target | Baseline |"
+    assert "### Speed\n\nNo engine was timed in this run" in render.render_section(untimed)
+    assert header not in render.render_section(untimed) and header in render.render_section(timed)
 
 
 def test_a_percentage_carries_the_precision_its_samples_support():

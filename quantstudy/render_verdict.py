@@ -58,6 +58,7 @@ def verdict_line(t: dict[str, Any], c: dict[str, Any]) -> dict[str, Any]:
         threshold += f" the `{c['relative_to']}` engine's"
     base = c.get("baseline")
     interval = c.get("interval")
+    measured = c.get("n") != 0  # no row measured it: no samples or rounds to name (None: tables before counts)
     return {
         "name": c["name"], "met": c["pass"], "observed": shown(c["observed"]), "rows": c.get("n"),
         # tables.json from before the noise model: each condition resolved as met or not
@@ -65,8 +66,8 @@ def verdict_line(t: dict[str, Any], c: dict[str, Any]) -> dict[str, Any]:
         "interval": interval and (span(interval, fmt, unit) + f" ({c['interval_kind']}, "
                                   f"{VERDICT_LEVEL:.0%} interval)"),
         "to_resolve": c.get("to_resolve"),
-        "samples": ", ".join(f"{count(s['count'])} {s['kind'].replace('_', ' ')} ({s['name']})" for s in lists),
-        "timing": c.get("table") == "speed" and spec["timing"],
+        "samples": measured and ", ".join(f"{count(s['count'])} {s['kind'].replace('_', ' ')} ({s['name']})" for s in lists),
+        "timing": measured and c.get("table") == "speed" and spec["timing"],
         "baseline": base and {"variants": base["variants"], "met": base["pass"], "observed": shown(base["observed"])},
         "threshold": f"{COMPARE_WORDS.get(c.get('compare'), c.get('compare') or '')} {threshold}".strip(),
         "basis": c.get("basis"), "note": c.get("note"),
